@@ -1,0 +1,5 @@
+import sys
+
+from jaxtp.cli import main
+
+sys.exit(main())

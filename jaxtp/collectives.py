@@ -1,0 +1,49 @@
+"""The Megatron-LM communication operators, on JAX's own transpose rules.
+
+Megatron (Shoeybi et al. 2019, sec. 3, Fig. 3) needs two conjugate operators around each
+tensor-parallel block: ``f`` before the column-parallel linear and ``g`` after the row-parallel one.
+Under ``jax.shard_map`` with varying-axes checking, ``f`` is ``pcast(..., to='varying')`` (its
+transpose is an all-reduce) and ``g`` is ``psum`` (its transpose is a cast back), so no custom VJP
+is written here. Notation: ``{U_model}`` = unreduced (a partial sum) over the ``model`` axis;
+``{V_model}`` = varying (different on each rank) over ``model``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+MODEL = "model"
+
+
+def copy_to_model(x: jax.Array, axis: str = MODEL) -> jax.Array:
+    """Megatron ``f``. Forward: identity. Backward: all-reduce over ``axis``.
+
+    ``[B,S,D] -> [B,S,D]{V_model}``: marks a replicated activation as the input of every rank's
+    column-parallel shard, so the cotangents the ranks produce get summed.
+    """
+    return jax.lax.pcast(x, axis, to="varying")
+
+
+def reduce_from_model(x: jax.Array, axis: str = MODEL) -> jax.Array:
+    """Megatron ``g``. Forward: all-reduce over ``axis``. Backward: identity.
+
+    ``[B,S,D]{U_model} -> [B,S,D]``: sums the row-parallel linear's partial products.
+    """
+    return jax.lax.psum(x, axis)
+
+
+def max_over_model(x: jax.Array, axis: str = MODEL) -> jax.Array:
+    """All-reduce(max) over ``axis``, with no gradient: the softmax shift of the vocab-parallel loss.
+
+    ``[B,S]{V_model} -> [B,S]``. The shift cancels in the loss, so it carries no cotangent.
+    """
+    return jax.lax.pmax(jax.lax.stop_gradient(x), axis)
+
+
+def data_parallel_params(params, axes: tuple[str, ...]):
+    """Mark replicated parameters as feeding every data-parallel rank.
+
+    Forward: identity. Backward: one all-reduce of each gradient over ``axes`` (the DDP gradient
+    sync), placed once per step outside the layer loop rather than once per use.
+    """
+    return jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)

@@ -1,0 +1,288 @@
+"""Configuration: frozen dataclasses, named presets, and dotted ``key=value`` overrides.
+
+Config flows one way (STYLE.md): CLI ``--config NAME`` plus ``section.field=value`` overrides ->
+these frozen dataclasses -> validated mesh -> sharding tables -> model -> jitted step. Presets are
+plain Python functions returning a :class:`Config`, as torchtitan and Flax's Gemma configs do; the
+field names are public interface and stay stable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+Mode = Literal["gspmd", "explicit"]
+Activation = Literal["swiglu", "gelu"]
+Remat = Literal["none", "full"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A configuration that jaxtp refuses to run; the message names the constraint and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only Transformer shape (GPT / Llama style: RMSNorm, RoPE, GQA, SwiGLU or GELU)."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    d_ff: int = 256
+    max_seq_len: int = 128
+    head_dim: int = 0  # 0 = d_model // n_heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    activation: Activation = "swiglu"
+    # The embedding rows are padded to a multiple of vocab_pad_multiple x (tensor-parallel degree),
+    # as Megatron-LM does; padded logits are masked, so padding never changes the loss.
+    vocab_pad_multiple: int = 128
+    init_std: float = 0.02
+    param_dtype: DType = "float32"
+    compute_dtype: DType = "float32"
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def padded_vocab_size(self, tensor_parallel: int) -> int:
+        multiple = self.vocab_pad_multiple * tensor_parallel
+        return -(-self.vocab_size // multiple) * multiple
+
+    def param_count(self) -> int:
+        """Parameters of the unpadded model (embedding counted once when tied)."""
+        d, f, hd = self.d_model, self.d_ff, self.resolved_head_dim
+        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = (3 if self.activation == "swiglu" else 2) * d * f
+        per_layer = attn + mlp + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + emb + d
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel degrees over the mesh axes (one may be -1: inferred) and how the step is run."""
+
+    pipeline: int = 1
+    data: int = -1
+    fsdp: int = 1
+    context: int = 1
+    expert: int = 1
+    model: int = 1
+    # How many of each outer axis' degree spans hosts (DCN); the rest stays inside a host (ICI).
+    dcn_pipeline: int = 1
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    mode: Mode = "gspmd"
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    remat: Remat = "none"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 8  # global, in sequences
+    seq_len: int = 64
+    seed: int = 0
+    steps: int = 200
+    microbatches: int = 1
+    learning_rate: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    out_dir: str = "runs/default"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # "" = the embedded default corpus (the Python standard library's sources)
+    tokenizer: Literal["byte"] = "byte"
+    eval_fraction: float = 0.02
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+# ----------------------------------------------------------------------------------------------
+
+PRESETS: dict[str, Callable[[], Config]] = {}
+
+
+def preset(name: str):
+    def register(fn: Callable[[], Config]) -> Callable[[], Config]:
+        PRESETS[name] = fn
+        return fn
+
+    return register
+
+
+@preset("tiny")
+def tiny() -> Config:
+    """Byte-level model that trains on a CPU in seconds; the default of ``jaxtp train``."""
+    return Config(
+        model=ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8,
+                          d_ff=256, max_seq_len=128),
+        train=TrainConfig(batch_size=8, seq_len=64),
+    )
+
+
+@preset("gpt2-small")
+def gpt2_small() -> Config:
+    """GPT-2 124M shapes (Radford et al. 2019), tied embeddings, GELU MLP."""
+    return Config(
+        model=ModelConfig(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
+                          d_ff=3072, max_seq_len=1024, tie_embeddings=True, activation="gelu"),
+        train=TrainConfig(batch_size=8, seq_len=1024, learning_rate=6e-4, warmup_steps=100),
+    )
+
+
+@preset("gpt3-1.3b")
+def gpt3_1_3b() -> Config:
+    """GPT-3 XL (Brown et al. 2020, Table 2.1): 24 layers, d=2048, 16 heads."""
+    return Config(
+        model=ModelConfig(vocab_size=50257, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=16,
+                          d_ff=8192, max_seq_len=2048, tie_embeddings=True, activation="gelu",
+                          compute_dtype="bfloat16"),
+        train=TrainConfig(batch_size=16, seq_len=2048, learning_rate=2e-4, warmup_steps=100),
+    )
+
+
+@preset("llama2-7b")
+def llama2_7b() -> Config:
+    """Llama 2 7B (Touvron et al. 2023): 32 layers, d=4096, SwiGLU d_ff=11008, untied."""
+    return Config(
+        model=ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                          d_ff=11008, max_seq_len=4096, activation="swiglu",
+                          compute_dtype="bfloat16"),
+        train=TrainConfig(batch_size=16, seq_len=4096, learning_rate=3e-4, warmup_steps=100),
+    )
+
+
+@preset("gpt3-175b")
+def gpt3_175b() -> Config:
+    """GPT-3 175B (Brown et al. 2020): 96 layers, d=12288, 96 heads."""
+    return Config(
+        model=ModelConfig(vocab_size=50257, d_model=12288, n_layers=96, n_heads=96, n_kv_heads=96,
+                          d_ff=49152, max_seq_len=2048, tie_embeddings=True, activation="gelu",
+                          compute_dtype="bfloat16"),
+        train=TrainConfig(batch_size=1536, seq_len=2048, learning_rate=6e-5, warmup_steps=100),
+    )
+
+
+def get_preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown config {name!r}; presets are: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]()
+
+
+# ----------------------------------------------------------------------------------------------
+# Overrides: "section.field=value"
+# ----------------------------------------------------------------------------------------------
+
+def valid_keys(cfg: Config) -> list[str]:
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg)
+            for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def _parse_value(key: str, text: str, hint) -> object:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if text not in choices:
+            raise ConfigError(f"{key}={text!r} is not valid; choose one of {list(choices)}")
+        return text
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arm in typing.get_args(hint):
+            if arm is type(None):
+                if text.lower() in ("none", "null"):
+                    return None
+                continue
+            try:
+                return _parse_value(key, text, arm)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
+    if hint is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={text!r} is not a boolean; use true or false")
+    if hint is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{key}={text!r} is not an integer") from None
+    if hint is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{key}={text!r} is not a number") from None
+    if hint is str:
+        return text
+    raise ConfigError(f"{key}: unsupported field type {hint!r}")
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """Return ``cfg`` with each ``section.field=value`` applied; unknown keys list the valid ones."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value, "
+                              f"e.g. parallel.model=4")
+        key, text = item.split("=", 1)
+        key = key.strip().lstrip("-")
+        section, _, name = key.partition(".")
+        sections = {f.name for f in dataclasses.fields(cfg)}
+        if section not in sections or not name:
+            raise ConfigError(f"unknown config key {key!r}; valid keys are: "
+                              + ", ".join(valid_keys(cfg)))
+        sub = getattr(cfg, section)
+        hints = typing.get_type_hints(type(sub))
+        if name not in hints:
+            raise ConfigError(f"unknown config key {key!r}; valid keys in {section!r} are: "
+                              + ", ".join(f"{section}.{f.name}" for f in dataclasses.fields(sub)))
+        value = _parse_value(key, text.strip(), hints[name])
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(sub, **{name: value})})
+    return cfg
+
+
+def load(name: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The preset ``name`` with ``overrides`` applied, checked for model-level consistency."""
+    cfg = apply_overrides(get_preset(name), overrides)
+    validate_model(cfg.model)
+    return cfg
+
+
+def validate_model(m: ModelConfig) -> None:
+    positive = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
+                "vocab_pad_multiple"]
+    for name in positive:
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of "
+                          f"model.n_kv_heads={m.n_kv_heads} (grouped-query attention)")
+    if not m.head_dim and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads="
+                          f"{m.n_heads}; set model.head_dim explicitly or change n_heads")
+    if m.resolved_head_dim % 2:
+        raise ConfigError(f"head_dim={m.resolved_head_dim} must be even for RoPE")

@@ -1,0 +1,63 @@
+"""Causal self-attention with RoPE (Su et al. 2021) and grouped-query attention (Ainslie et al.
+2023), tensor-parallel over heads (Shoeybi et al. 2019, sec. 3, Fig. 3b).
+
+Heads keep their own dims. Q, K and V come from one weight grouped by KV head,
+``w_qkv[embed, kv_heads, q_per_kv + 2, head_dim]`` (Megatron-LM's grouped layout): each KV head's
+slot holds its ``q_per_kv`` query heads, then its key, then its value. Sharding ``kv_heads`` over
+``model`` makes the projection column-parallel with no reshuffle (each rank owns whole KV groups),
+and a single matmul means a single cotangent, so backward runs one all-reduce, not three. The output
+projection ``wo[heads, head_dim, embed]`` is row-parallel; the block costs exactly one ``f`` and one
+``g``. Scores go through ``jax.nn.dot_product_attention`` so GPUs and TPUs get fused
+kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtp.config import ModelConfig
+from jaxtp.layers import param, residual_std
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos / sin of shape ``[B,S,1,head_dim/2]`` for integer ``positions [B,S]``, in fp32."""
+    freqs = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (H/2,)
+    angles = positions.astype(jnp.float32)[..., None] * freqs                     # (B, S, H/2)
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate pairs (first half, second half) of the head dim; ``x [B,S,N,H]``."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        d, hd, dt = cfg.d_model, cfg.resolved_head_dim, jnp.dtype(cfg.param_dtype)
+        std, out_std = cfg.init_std, residual_std(cfg.init_std, cfg.n_layers)
+        self.q_per_kv = cfg.n_heads // cfg.n_kv_heads
+        self.w_qkv = param(rngs, (d, cfg.n_kv_heads, self.q_per_kv + 2, hd),
+                           ("embed", "kv_heads", None, "head_dim"), std=std, dtype=dt, stack=stack)
+        self.wo = param(rngs, (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"),
+                        std=out_std, dtype=dt, stack=stack)
+        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ops) -> jax.Array:
+        cdt = self.compute_dtype
+        h = ops.copy_to_model(x).astype(cdt)                                   # f; (B, S, D)
+        qkv = jnp.einsum("bsd,dkgh->bskgh", h, self.w_qkv[...].astype(cdt))  # (B, S, K, G+2, H)
+        g = self.q_per_kv
+        b, s, k_heads, _, hd = qkv.shape
+        q = qkv[:, :, :, :g].reshape(b, s, k_heads * g, hd)                  # (B, S, N, H)
+        k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]                           # (B, S, K, H)
+        q = ops.constrain(apply_rope(q, *rope), "batch", "seq", "heads", "head_dim")
+        k = ops.constrain(apply_rope(k, *rope), "batch", "seq", "kv_heads", "head_dim")
+        v = ops.constrain(v, "batch", "seq", "kv_heads", "head_dim")
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)             # (B, S, N, H)
+        o = ops.constrain(o, "batch", "seq", "heads", "head_dim")
+        out = jnp.einsum("bsnh,nhd->bsd", o, self.wo[...].astype(cdt))        # (B, S, D){U_model}
+        return ops.reduce_from_model(out)                                     # g

@@ -1,0 +1,208 @@
+"""Train state, the jitted train step, and the training loop with metrics.
+
+One step is one ``jax.jit`` call with explicit in / out shardings and a donated state: loss and
+gradients from :class:`jaxtp.engine.Engine` (in either execution mode), then the optax update.
+The loop logs ``loss``, ``tokens_per_s`` and ``mfu`` to ``<out_dir>/metrics.jsonl`` (eval records
+carry ``eval_loss``) and plots the loss curve at the end. MFU is model FLOPs per second (the analytic
+``6 N T`` + attention count of :func:`jaxtp.inspect.analytic_flops`) over the devices' peak: a
+hardware table for accelerators, and on CPU a peak measured once with a large matmul.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxtp import data as data_lib
+from jaxtp import engine as engine_lib
+from jaxtp import optim
+from jaxtp.config import Config, ConfigError
+from jaxtp.inspect import analytic_flops
+
+# Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity).
+PEAK_FLOPS = {
+    "a100": 312e12, "h100": 989e12, "h200": 989e12,
+    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12,
+    "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12,
+}
+
+
+def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of one large fp32 matmul on the host: the CPU's usable peak, measured once."""
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices("cpu")[0])
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def peak_flops(devices) -> float:
+    """Peak FLOP/s of all ``devices`` together."""
+    kind = devices[0].device_kind.lower()
+    if devices[0].platform == "cpu":
+        # Simulated CPU devices share the host's cores: the host's matmul peak is the whole budget.
+        return measure_cpu_peak()
+    for key, flops in PEAK_FLOPS.items():
+        if key in kind:
+            return flops * len(devices)
+    return math.nan
+
+
+@dataclass
+class TrainState:
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array
+
+
+jax.tree_util.register_dataclass(TrainState, data_fields=["params", "opt_state", "step"],
+                                 meta_fields=[])
+
+
+class Trainer:
+    def __init__(self, cfg: Config, devices=None):
+        if cfg.train.microbatches != 1:
+            raise ConfigError("train.microbatches > 1 (gradient accumulation) is not supported in "
+                              "this version of jaxtp yet; set train.microbatches=1")
+        self.cfg = cfg
+        self.engine = engine_lib.build(cfg, devices)
+        self.tx = optim.build(cfg.train, self.engine.abstract_params)
+        self._replicated = NamedSharding(self.engine.mesh, PartitionSpec())
+
+    def init_state(self) -> TrainState:
+        params = self.engine.init_params()
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings())(params)
+        return TrainState(params, opt_state, jax.device_put(jnp.int32(0), self._replicated))
+
+    def opt_shardings(self):
+        """Adam moments sharded like their parameters; counters replicated."""
+        abstract = jax.eval_shape(self.tx.init, self.engine.abstract_params)
+        return optax.tree_map_params(
+            self.tx, lambda _, sharding: sharding, abstract, self.engine.param_shardings,
+            transform_non_params=lambda _: self._replicated,
+            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def state_shardings(self, state: TrainState):
+        return jax.tree.map(lambda x: x.sharding, state)
+
+    def step_fn(self, state: TrainState):
+        """The jitted ``(state, batch) -> (state, metrics)``, state donated."""
+        loss_fn = self.engine.loss_fn()
+        tx = self.tx
+
+        def step(state: TrainState, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+            return TrainState(params, opt_state, state.step + 1), metrics
+
+        shardings = self.state_shardings(state)
+        return jax.jit(step, in_shardings=(shardings, self.engine.batch_sharding),
+                       out_shardings=(shardings, self._replicated), donate_argnums=(0,))
+
+    def eval_fn(self):
+        return self.engine.loss()
+
+    def put_batch(self, local_batch: dict[str, np.ndarray]):
+        sharding = self.engine.batch_sharding
+        return {k: jax.make_array_from_process_local_data(sharding, v)
+                for k, v in local_batch.items()}
+
+
+def _plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if train:
+        ax.plot(*zip(*train), label="train")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: Config, devices=None) -> list[dict]:
+    """Train ``cfg.train.steps`` steps; returns the metric records written to metrics.jsonl."""
+    from tqdm import tqdm
+
+    t = cfg.train
+    trainer = Trainer(cfg, devices)
+    eng = trainer.engine
+    tokens = data_lib.load_tokens(cfg.data)
+    if int(tokens.max()) >= cfg.model.vocab_size:
+        raise ConfigError(f"the corpus has token id {int(tokens.max())} >= model.vocab_size="
+                          f"{cfg.model.vocab_size}")
+    train_tokens, eval_tokens = data_lib.train_eval_split(tokens, cfg.data.eval_fraction)
+    loader_args = dict(batch_size=t.batch_size, seq_len=t.seq_len,
+                       process_index=jax.process_index(), process_count=jax.process_count())
+    loader = data_lib.Loader(train_tokens, seed=t.seed, **loader_args)
+    eval_loader = data_lib.Loader(eval_tokens, seed=t.seed + 1, **loader_args)
+
+    out = Path(t.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = trainer.init_state()
+    step_fn, eval_fn = trainer.step_fn(state), trainer.eval_fn()
+    flops_per_step = analytic_flops(eng)
+    peak = peak_flops(list(eng.mesh.devices.flat))
+    tokens_per_step = t.batch_size * t.seq_len
+    records: list[dict] = []
+    metrics_file = open(out / "metrics.jsonl", "w")
+    bar = tqdm(range(t.steps), desc="train", disable=jax.process_index() != 0)
+    window_start, window_steps = time.perf_counter(), 0
+    for i in bar:
+        state, metrics = step_fn(state, trainer.put_batch(next(loader)))
+        window_steps += 1
+        step = i + 1
+        if step % t.log_every == 0 or step == t.steps:
+            loss = float(metrics["loss"])  # the one host sync per log interval
+            dt = (time.perf_counter() - window_start) / window_steps
+            rec = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                   "mfu": flops_per_step / dt / peak}
+            if step == t.log_every:  # the first window includes compilation
+                rec["includes_compile"] = True
+            if step % t.eval_every == 0 or step == t.steps:
+                eval_loader.step = 0  # the same held-out batches every time
+                rec["eval_loss"] = float(np.mean([
+                    float(eval_fn(state.params, trainer.put_batch(next(eval_loader))))
+                    for _ in range(t.eval_batches)]))
+            records.append(rec)
+            metrics_file.write(json.dumps(rec) + "\n")
+            metrics_file.flush()
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                            mfu=f"{100 * rec['mfu']:.1f}%")
+            window_start, window_steps = time.perf_counter(), 0
+    metrics_file.close()
+    if jax.process_index() == 0:
+        _plot(records, out / "loss.png")
+        last = records[-1]
+        print(f"done: {t.steps} steps, loss {last['loss']:.3f}, eval loss "
+              f"{last.get('eval_loss', float('nan')):.3f}, {last['tokens_per_s']:.0f} tokens/s, "
+              f"MFU {100 * last['mfu']:.1f}%; metrics in {out / 'metrics.jsonl'}, "
+              f"curve in {out / 'loss.png'}")
+    return records

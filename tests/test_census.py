@@ -1,0 +1,98 @@
+"""The Megatron collective census, read from compiled HLO (DESIGN.md's contract).
+
+Per transformer layer: 2 all-reduces over ``model`` forward and 2 backward, each of
+``b_local x s x h`` elements, identical in both modes. Measured as the difference between models of
+L+1 and L layers, so the embedding and the loss are factored out.
+"""
+
+import pytest
+
+from jaxtp import config, engine, inspect
+
+DATA, MODEL = 2, 4
+B, S, H = 8, 64, 64  # global batch, seq, d_model of the tiny preset
+
+
+def _ops(mode, n_layers, step, extra=()):
+    cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.data={DATA}",
+                               f"parallel.model={MODEL}", f"model.n_layers={n_layers}", *extra])
+    return inspect.report(engine.build(cfg), step=step).ops
+
+
+def _model_all_reduces(ops):
+    """(executions, bytes) of each all-reduce over `model`, expanded per execution."""
+    out = []
+    for op in ops:
+        if op.kind == "all-reduce" and op.axes == ("model",):
+            out += [op.bytes // op.tensors] * (op.executions * op.tensors)
+    return sorted(out)
+
+
+def _per_layer(mode, step, extra=()):
+    small, big = (_model_all_reduces(_ops(mode, n, step, extra)) for n in (2, 3))
+    extra_ops = list(big)
+    for b in small:
+        extra_ops.remove(b)
+    return extra_ops
+
+
+@pytest.mark.parametrize("mode", ["gspmd", "explicit"])
+def test_per_layer_census(mode):
+    b_local_s_h_bytes = (B // DATA) * S * H * 4
+    forward = _per_layer(mode, "loss")
+    both = _per_layer(mode, "grad")
+    assert forward == [b_local_s_h_bytes] * 2
+    assert both == [b_local_s_h_bytes] * 4
+
+
+def test_both_modes_same_census():
+    g = inspect.report(engine.build(config.load("tiny", [
+        "parallel.mode=gspmd", f"parallel.data={DATA}", f"parallel.model={MODEL}"])))
+    e = inspect.report(engine.build(config.load("tiny", [
+        "parallel.mode=explicit", f"parallel.data={DATA}", f"parallel.model={MODEL}"])))
+    model = [{k: c[k] for k in ("kind", "axes", "count", "bytes")} for c in g.collectives
+             if c["axes"] == ["model"]]
+    assert model == [{k: c[k] for k in ("kind", "axes", "count", "bytes")}
+                     for c in e.collectives if c["axes"] == ["model"]]
+    # the data-parallel gradient sync moves each local gradient byte once per step, in both modes
+    params = g.per_device_bytes["params"]
+    for r in (g, e):
+        dp = [c for c in r.collectives if c["axes"] == ["data"]]
+        assert len(dp) == 1 and dp[0]["kind"] == "all-reduce"
+        assert params <= dp[0]["bytes"] <= params + 64  # + the loss scalar
+    # nothing but all-reduces: no all-gather of weights, no all-to-all, no permutes
+    assert {c["kind"] for c in g.collectives + e.collectives} == {"all-reduce"}
+
+
+@pytest.mark.parametrize("mode", ["gspmd", "explicit"])
+def test_loss_never_moves_logits(mode):
+    """Vocab-parallel cross-entropy exchanges O(b x s) values, never the b x s x v logits."""
+    cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.data={DATA}",
+                               f"parallel.model={MODEL}", "model.vocab_size=2048"])
+    eng = engine.build(cfg)
+    local_logits = (B // DATA) * S * (eng.padded_vocab // MODEL) * 4
+    r = inspect.report(eng)
+    assert local_logits > 4 * (B // DATA) * S * H * 4  # the check below can tell them apart
+    for op in r.ops:
+        assert op.bytes // op.tensors < local_logits, op
+    # the loss itself: three [b, s] all-reduces over `model` (max, sum of exp, target logit)
+    loss_ops = [op for op in _ops(mode, 2, "loss", ["model.vocab_size=2048"])
+                if op.axes == ("model",) and op.bytes // op.tensors == (B // DATA) * S * 4]
+    assert sum(op.tensors * op.executions for op in loss_ops) == 3
+
+
+def test_data_parallel_only_has_no_model_collectives():
+    r = inspect.report(engine.build(config.load("tiny", ["parallel.data=8"])))
+    assert [c["axes"] for c in r.collectives] == [["data"]]
+
+
+def test_remat_full_reruns_forward_collectives():
+    """Recompute re-runs forward all-reduces in backward, and the census reports it.
+
+    Backward needs the attention block's all-reduced output again (it is the MLP's input), but not
+    the MLP's: its result only feeds the next layer, whose input is the saved carry. So XLA re-runs
+    one of the two forward all-reduces: 2 + 2 + 1 per layer (Megatron's eager full recompute
+    re-runs both, 6).
+    """
+    assert len(_per_layer("explicit", "grad", ["parallel.remat=full"])) == 5
+    assert len(_per_layer("gspmd", "grad", ["parallel.remat=full"])) == 5
