@@ -92,11 +92,13 @@ class TrainConfig:
     seed: int = 0
     steps: int = 200
     microbatches: int = 1
-    learning_rate: float = 3e-3
+    lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    checkpoint_every: int = 100  # 0 = only at the end
+    keep_checkpoints: int = 3
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4
@@ -149,7 +151,7 @@ def gpt2_small() -> Config:
     return Config(
         model=ModelConfig(vocab_size=50257, d_model=768, n_layers=12, n_heads=12, n_kv_heads=12,
                           d_ff=3072, max_seq_len=1024, tie_embeddings=True, activation="gelu"),
-        train=TrainConfig(batch_size=8, seq_len=1024, learning_rate=6e-4, warmup_steps=100),
+        train=TrainConfig(batch_size=8, seq_len=1024, lr=6e-4, warmup_steps=100),
     )
 
 
@@ -160,7 +162,7 @@ def gpt3_1_3b() -> Config:
         model=ModelConfig(vocab_size=50257, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=16,
                           d_ff=8192, max_seq_len=2048, tie_embeddings=True, activation="gelu",
                           compute_dtype="bfloat16"),
-        train=TrainConfig(batch_size=16, seq_len=2048, learning_rate=2e-4, warmup_steps=100),
+        train=TrainConfig(batch_size=16, seq_len=2048, lr=2e-4, warmup_steps=100),
     )
 
 
@@ -171,7 +173,7 @@ def llama2_7b() -> Config:
         model=ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                           d_ff=11008, max_seq_len=4096, activation="swiglu",
                           compute_dtype="bfloat16"),
-        train=TrainConfig(batch_size=16, seq_len=4096, learning_rate=3e-4, warmup_steps=100),
+        train=TrainConfig(batch_size=16, seq_len=4096, lr=3e-4, warmup_steps=100),
     )
 
 
@@ -182,7 +184,7 @@ def gpt3_175b() -> Config:
         model=ModelConfig(vocab_size=50257, d_model=12288, n_layers=96, n_heads=96, n_kv_heads=96,
                           d_ff=49152, max_seq_len=2048, tie_embeddings=True, activation="gelu",
                           compute_dtype="bfloat16"),
-        train=TrainConfig(batch_size=1536, seq_len=2048, learning_rate=6e-5, warmup_steps=100),
+        train=TrainConfig(batch_size=1536, seq_len=2048, lr=6e-5, warmup_steps=100),
     )
 
 

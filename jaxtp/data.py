@@ -4,8 +4,10 @@ The embedded default corpus is the Python standard library's own source, read fr
 interpreter, so every machine has real text to learn from without a download. ``data.path`` may
 point at a text file, a directory of text files, or a pre-tokenised ``.bin`` token file (uint16,
 the format nanoGPT and Megatron users already have; ``.u32.bin`` for uint32). The tokenizer is
-byte-level (vocab 256). A batch is a pure function of (seed, step): the loader's state is its step
-counter, so resuming is exact, and each process materialises only its own rows of the global batch.
+byte-level (vocab 256). Batches walk shuffled epochs of non-overlapping windows and are a pure
+function of (seed, step): the loader's state is its step counter, so resuming is exact, and each
+process materialises only its own rows of the global batch. (grain offers the same guarantees for
+record datasets; for one contiguous token array this arithmetic is all that is needed.)
 """
 
 from __future__ import annotations
@@ -57,7 +59,13 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
 
 @dataclass
 class Loader:
-    """Random windows of ``seq_len + 1`` tokens; batch ``step`` is a pure function of the seed."""
+    """Epochs over non-overlapping windows of ``seq_len + 1`` tokens, reshuffled each epoch.
+
+    Global sample ``g = step x batch_size + row`` is window ``perm_e[g mod n]`` of epoch
+    ``e = g div n``, so within an epoch every window is seen exactly once, the batch at ``step`` is a
+    pure function of ``(seed, step)``, and the checkpointed state is just the step counter. Process
+    ``p`` of ``P`` materialises rows ``[p B/P, (p+1) B/P)`` of each global batch.
+    """
 
     tokens: np.ndarray
     batch_size: int
@@ -68,20 +76,34 @@ class Loader:
     step: int = 0
 
     def __post_init__(self):
-        if len(self.tokens) <= self.seq_len + 1:
-            raise ConfigError(f"corpus of {len(self.tokens)} tokens is shorter than "
-                              f"train.seq_len={self.seq_len}")
+        self.n_windows = (len(self.tokens) - 1) // self.seq_len
+        if self.n_windows < self.batch_size:
+            raise ConfigError(f"the corpus ({len(self.tokens)} tokens) holds {self.n_windows} "
+                              f"windows of train.seq_len={self.seq_len}, fewer than "
+                              f"train.batch_size={self.batch_size}; use more data or smaller "
+                              f"batches")
         if self.batch_size % self.process_count:
             raise ConfigError(f"train.batch_size={self.batch_size} is not divisible by the "
                               f"{self.process_count} processes")
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng((self.seed, epoch)).permutation(
+                self.n_windows)}
+        return self._perms[epoch]
+
+    def window_ids(self, step: int) -> np.ndarray:
+        """Window index of each of this process's rows of global batch ``step``."""
+        rows = self.batch_size // self.process_count
+        first = step * self.batch_size + self.process_index * rows
+        g = np.arange(first, first + rows)
+        return np.array([self._perm(int(i // self.n_windows))[i % self.n_windows] for i in g])
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch ``step``."""
-        rng = np.random.default_rng((self.seed, step))
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, self.batch_size)
-        rows = self.batch_size // self.process_count
-        mine = starts[self.process_index * rows:(self.process_index + 1) * rows]
-        windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in mine])
+        starts = self.window_ids(step) * self.seq_len
+        windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts])
         windows = windows.astype(np.int32)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
@@ -98,6 +120,7 @@ class Loader:
 
     def restore(self, state: dict) -> None:
         self.step, self.seed = int(state["step"]), int(state["seed"])
+        self._perms = {}
 
 
 def train_eval_split(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:

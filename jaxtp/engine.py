@@ -116,10 +116,62 @@ class Engine:
                              in_specs=(self.param_specs, self.batch_spec),
                              out_specs=PartitionSpec())
 
+    def value_and_grad_fn(self):
+        """``(params, batch) -> (loss, grads)``, accumulated over ``train.microbatches``.
+
+        With one micro-batch this is ``jax.value_and_grad(loss_fn())``. With m > 1 each device
+        splits its rows into m micro-batches, accumulates *local* gradients over them in a scan,
+        and the data-parallel all-reduce runs once per step after the scan (never once per
+        micro-batch): the batch axes are manual (``shard_map``), the ``model`` axis is manual too in
+        explicit mode and left to GSPMD otherwise.
+        """
+        m = self.cfg.train.microbatches
+        if m == 1:
+            return jax.value_and_grad(self.loss_fn())
+        cfg, graphdef = self.cfg, self.graphdef
+        n_tokens = cfg.train.batch_size * cfg.train.seq_len
+        explicit = cfg.parallel.mode == "explicit"
+        if explicit:
+            ops, manual = ExplicitOps(), None
+        else:  # inside the region the batch axes are manual, so constraints must not name them
+            rules = Rules(tuple((k, None if k == "batch" else v)
+                                for k, v in self.activation_rules.table))
+            ops, manual = GSPMDOps(self.mesh, rules), frozenset(BATCH_AXES)
+
+        def micro_loss(params, micro):
+            model = nnx.merge(graphdef, params)
+            inputs = micro["inputs"]
+            positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+            losses = model.token_losses(inputs, micro["targets"], positions, ops,
+                                        remat=cfg.parallel.remat)
+            return jnp.sum(losses) / n_tokens
+
+        def local(params, batch):
+            params = collectives.data_parallel_params(params, BATCH_AXES)
+            # local row r*m + k goes to micro-batch k: a reshape, no data movement
+            micro = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+
+            def body(acc, mb):
+                loss, grads = jax.value_and_grad(micro_loss)(params, mb)
+                return jax.tree.map(jnp.add, acc, (loss, grads)), None
+
+            zero_loss = jax.lax.pcast(jnp.zeros((), jnp.float32), BATCH_AXES, to="varying")
+            zero = (zero_loss, jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(body, zero, micro)
+            return jax.lax.psum((loss, grads), BATCH_AXES)  # the one gradient sync per step
+
+        if explicit:
+            specs = (self.param_specs, self.batch_spec)
+            return jax.shard_map(local, mesh=self.mesh, in_specs=specs,
+                                 out_specs=(PartitionSpec(), self.param_specs))
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(), self.batch_spec),
+                             out_specs=(PartitionSpec(), PartitionSpec()), axis_names=manual)
+
     def loss_and_grad(self, *, donate: bool = False):
         """``jit``-ed ``(params, batch) -> (loss, grads)`` with grads sharded like params."""
         return jax.jit(
-            jax.value_and_grad(self.loss_fn()),
+            self.value_and_grad_fn(),
             in_shardings=(self.param_shardings, self.batch_sharding),
             out_shardings=(NamedSharding(self.mesh, PartitionSpec()), self.param_shardings),
             donate_argnums=(0,) if donate else ())

@@ -14,8 +14,8 @@ from jaxtp.config import TrainConfig
 
 def schedule(t: TrainConfig) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.learning_rate, warmup_steps=max(t.warmup_steps, 1),
-        decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.learning_rate * t.min_lr_ratio)
+        init_value=0.0, peak_value=t.lr, warmup_steps=max(t.warmup_steps, 1),
+        decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
 
 
 def decay_mask(params: nnx.State):

@@ -102,5 +102,12 @@ def batch_spec(rules: Rules) -> PartitionSpec:
 
 
 def constrain(x: jax.Array, names: Sequence[str | None], *, mesh: Mesh, rules: Rules) -> jax.Array:
-    """``with_sharding_constraint`` by logical names: the GSPMD block-boundary annotation."""
+    """``with_sharding_constraint`` by logical names: the GSPMD block-boundary annotation.
+
+    Inside a partially manual ``shard_map`` (e.g. manual batch axes for gradient accumulation) the
+    constraint must be stated on the context's abstract mesh, whose manual axes it cannot name.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        mesh = context
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))

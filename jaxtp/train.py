@@ -75,9 +75,6 @@ jax.tree_util.register_dataclass(TrainState, data_fields=["params", "opt_state",
 
 class Trainer:
     def __init__(self, cfg: Config, devices=None):
-        if cfg.train.microbatches != 1:
-            raise ConfigError("train.microbatches > 1 (gradient accumulation) is not supported in "
-                              "this version of jaxtp yet; set train.microbatches=1")
         self.cfg = cfg
         self.engine = engine_lib.build(cfg, devices)
         self.tx = optim.build(cfg.train, self.engine.abstract_params)
@@ -101,11 +98,11 @@ class Trainer:
 
     def step_fn(self, state: TrainState):
         """The jitted ``(state, batch) -> (state, metrics)``, state donated."""
-        loss_fn = self.engine.loss_fn()
+        value_and_grad = self.engine.value_and_grad_fn()
         tx = self.tx
 
         def step(state: TrainState, batch):
-            loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+            loss, grads = value_and_grad(state.params, batch)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}

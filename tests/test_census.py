@@ -96,3 +96,19 @@ def test_remat_full_reruns_forward_collectives():
     """
     assert len(_per_layer("explicit", "grad", ["parallel.remat=full"])) == 5
     assert len(_per_layer("gspmd", "grad", ["parallel.remat=full"])) == 5
+
+
+@pytest.mark.parametrize("mode", ["gspmd", "explicit"])
+def test_micro_batches_sync_gradients_once_per_step(mode):
+    """Accumulating over m micro-batches: TP collectives run m times, the DP sync once."""
+    m = 4
+    cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.data={DATA}",
+                               f"parallel.model={MODEL}", f"train.microbatches={m}"])
+    r = inspect.report(engine.build(cfg))
+    dp = [op for op in r.ops if op.axes == ("data",)]
+    assert len(dp) == 1 and dp[0].executions == 1
+    params = r.per_device_bytes["params"]
+    assert params <= dp[0].bytes <= params + 64  # every local gradient byte once (+ the loss)
+    layer_ops = [op for op in r.ops if op.axes == ("model",) and op.executions == 2 * m]
+    assert sum(op.tensors for op in layer_ops) == 4  # 2 fwd + 2 bwd per layer, per micro-batch
+    assert all(op.bytes == (B // DATA // m) * S * H * 4 for op in layer_ops)

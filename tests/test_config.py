@@ -19,9 +19,9 @@ def test_param_counts_match_published_sizes():
 
 def test_overrides_parse_types():
     cfg = config.load("tiny", ["parallel.model=4", "parallel.mode=explicit",
-                               "model.tie_embeddings=true", "train.learning_rate=1e-4"])
+                               "model.tie_embeddings=true", "train.lr=1e-4"])
     assert cfg.parallel.model == 4 and cfg.parallel.mode == "explicit"
-    assert cfg.model.tie_embeddings is True and cfg.train.learning_rate == 1e-4
+    assert cfg.model.tie_embeddings is True and cfg.train.lr == 1e-4
 
 
 def test_unknown_key_lists_valid_keys():
@@ -35,7 +35,7 @@ def test_unknown_key_lists_valid_keys():
     ("parallel.model=four", "not an integer"),
     ("parallel.mode=magic", r"choose one of \['gspmd', 'explicit'\]"),
     ("model.tie_embeddings=maybe", "not a boolean"),
-    ("train.learning_rate=fast", "not a number"),
+    ("train.lr=fast", "not a number"),
     ("parallel.model", "section.field=value"),
 ])
 def test_bad_values_are_clear_errors(override, match):

@@ -90,3 +90,9 @@ def test_sharded_init_places_params_without_gathering():
     loss = eng.loss()(params, eng.shard_batch(testing.random_batch(cfg)))
     # a freshly initialised model predicts close to uniform: loss ~ log(vocab)
     assert abs(float(loss) - np.log(256)) < 0.1
+
+
+@pytest.mark.parametrize("mode", ["gspmd", "explicit"])
+def test_gradient_accumulation_matches_full_batch(mode):
+    _check([f"parallel.mode={mode}", "parallel.data=2", "parallel.model=4",
+            "train.microbatches=4"])
