@@ -187,6 +187,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[CollectiveOp]
             sizes = _shape_bytes(shape_text)
             groups = parse_replica_groups(rest, n_devices)
             group_size = 2 if kind == "collective-permute" else len(groups[0])
+            if group_size == 1:  # e.g. a psum over a size-1 axis: XLA keeps it, nothing moves
+                continue
             nbytes = sum(sizes)
             if kind == "reduce-scatter":
                 nbytes *= group_size

@@ -1,0 +1,17 @@
+"""Every experiment runs on CPU and agrees with its paper (STYLE.md test layer 4)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_megatron_census_quick(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "experiments/megatron_census.py", "--quick", "--out", str(tmp_path)],
+        cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "megatron_census.md").is_file()
+    assert (tmp_path / "megatron_census.png").is_file()
