@@ -108,7 +108,10 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # "" = the embedded default corpus (the Python standard library's sources)
-    tokenizer: Literal["byte"] = "byte"
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    # For "bpe": a HuggingFace tokenizer.json to load; "" = train a byte-level BPE of
+    # model.vocab_size tokens on the corpus itself (cached beside the run in train.out_dir).
+    tokenizer_path: str = ""
     eval_fraction: float = 0.02
 
 

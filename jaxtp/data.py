@@ -4,7 +4,8 @@ The embedded default corpus is the Python standard library's own source, read fr
 interpreter, so every machine has real text to learn from without a download. ``data.path`` may
 point at a text file, a directory of text files, or a pre-tokenised ``.bin`` token file (uint16,
 the format nanoGPT and Megatron users already have; ``.u32.bin`` for uint32). The tokenizer is
-byte-level (vocab 256). Batches walk shuffled epochs of non-overlapping windows and are a pure
+byte-level (vocab 256) by default, or a HuggingFace BPE (``data.tokenizer=bpe``) loaded from a
+``tokenizer.json`` or trained locally on the corpus. Batches walk shuffled epochs of non-overlapping windows and are a pure
 function of (seed, step): the loader's state is its step counter, so resuming is exact, and each
 process materialises only its own rows of the global batch. (grain offers the same guarantees for
 record datasets; for one contiguous token array this arithmetic is all that is needed.)
@@ -40,8 +41,52 @@ def _read_text_files(paths: list[Path], limit: int | None) -> np.ndarray:
     return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
 
 
-def load_tokens(cfg: DataConfig) -> np.ndarray:
-    """The whole corpus as a 1-D array of token ids."""
+def load_tokens(cfg: DataConfig, *, vocab_size: int = 256, cache_dir: str | None = None
+                ) -> np.ndarray:
+    """The whole corpus as a 1-D array of token ids (bytes, or BPE ids for ``tokenizer=bpe``)."""
+    raw = _load_raw(cfg)
+    if cfg.tokenizer == "byte" or raw.dtype != np.uint8:
+        return raw
+    return bpe_encode(raw.tobytes(), tokenizer=bpe_tokenizer(cfg, raw.tobytes(), vocab_size,
+                                                             cache_dir))
+
+
+def bpe_tokenizer(cfg: DataConfig, text: bytes, vocab_size: int, cache_dir: str | None):
+    """A HuggingFace byte-level BPE: loaded from ``data.tokenizer_path`` or trained on ``text``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if cfg.tokenizer_path:
+        path = Path(os.path.expanduser(cfg.tokenizer_path))
+        if not path.exists():
+            raise ConfigError(f"data.tokenizer_path={cfg.tokenizer_path!r} does not exist")
+        tok = Tokenizer.from_file(str(path))
+    else:
+        cached = Path(cache_dir) / f"bpe-{vocab_size}.json" if cache_dir else None
+        if cached is not None and cached.exists():
+            return Tokenizer.from_file(str(cached))
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        lines = text.decode("utf-8", errors="replace").splitlines()
+        tok.train_from_iterator(lines, trainer=trainer)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tok.save(str(cached))
+    if tok.get_vocab_size() > vocab_size:
+        raise ConfigError(f"the tokenizer has {tok.get_vocab_size()} tokens but model.vocab_size="
+                          f"{vocab_size}; set model.vocab_size >= {tok.get_vocab_size()}")
+    return tok
+
+
+def bpe_encode(text: bytes, *, tokenizer) -> np.ndarray:
+    lines = text.decode("utf-8", errors="replace").splitlines(keepends=True)
+    ids = [i for enc in tokenizer.encode_batch(lines) for i in enc.ids]
+    return np.asarray(ids, dtype=np.uint32)
+
+
+def _load_raw(cfg: DataConfig) -> np.ndarray:
     if not cfg.path:
         root = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)

@@ -93,6 +93,18 @@ class Trainer:
             transform_non_params=lambda _: self._replicated,
             is_leaf=lambda x: isinstance(x, nnx.Variable))
 
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs with shardings of the train state: a restore target, no allocation."""
+        params, _ = self.engine.abstract_inputs()
+        def with_sharding(a, sharding):
+            struct = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+            return a.replace(struct) if isinstance(a, nnx.Variable) else struct
+
+        opt = jax.tree.map(with_sharding, jax.eval_shape(self.tx.init, self.engine.abstract_params),
+                           self.opt_shardings(), is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32,
+                                                            sharding=self._replicated))
+
     def state_shardings(self, state: TrainState):
         return jax.tree.map(lambda x: x.sharding, state)
 
@@ -105,7 +117,7 @@ class Trainer:
             loss, grads = value_and_grad(state.params, batch)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
             return TrainState(params, opt_state, state.step + 1), metrics
 
         shardings = self.state_shardings(state)
@@ -143,14 +155,40 @@ def _plot(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN / Inf; the last good checkpoint is kept."""
+
+
+def _read_records(path: Path, upto: int) -> list[dict]:
+    """Metric records of an earlier run, up to and including step ``upto`` (the resume point)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        if rec.get("step", upto + 1) <= upto:
+            records.append(rec)
+    return records
+
+
 def run(cfg: Config, devices=None) -> list[dict]:
-    """Train ``cfg.train.steps`` steps; returns the metric records written to metrics.jsonl."""
+    """Train to ``cfg.train.steps``, resuming from the latest checkpoint in ``train.out_dir``.
+
+    Returns the metric records of the whole run (earlier segments included), as written to
+    ``metrics.jsonl``.
+    """
     from tqdm import tqdm
+
+    from jaxtp.checkpoint import Checkpointer
 
     t = cfg.train
     trainer = Trainer(cfg, devices)
     eng = trainer.engine
-    tokens = data_lib.load_tokens(cfg.data)
+    tokens = data_lib.load_tokens(cfg.data, vocab_size=cfg.model.vocab_size,
+                                  cache_dir=t.out_dir)
     if int(tokens.max()) >= cfg.model.vocab_size:
         raise ConfigError(f"the corpus has token id {int(tokens.max())} >= model.vocab_size="
                           f"{cfg.model.vocab_size}")
@@ -162,44 +200,79 @@ def run(cfg: Config, devices=None) -> list[dict]:
 
     out = Path(t.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = trainer.init_state()
+    ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg)
+    latest = ckpt.latest_step()
+    if latest is None:
+        state = trainer.init_state()
+        start = 0
+    else:
+        state, data_state = ckpt.restore(latest, like=trainer.abstract_state())
+        loader.restore(data_state)
+        start = int(state.step)
+    is_main = jax.process_index() == 0
+    metrics_path = out / "metrics.jsonl"
+    records = _read_records(metrics_path, start) if start else []
+    if is_main:
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    if start:
+        print(f"resuming from step {start} ({ckpt.directory})", flush=True)
+
     step_fn, eval_fn = trainer.step_fn(state), trainer.eval_fn()
     flops_per_step = analytic_flops(eng)
     peak = peak_flops(list(eng.mesh.devices.flat))
     tokens_per_step = t.batch_size * t.seq_len
-    records: list[dict] = []
-    metrics_file = open(out / "metrics.jsonl", "w")
-    bar = tqdm(range(t.steps), desc="train", disable=jax.process_index() != 0)
-    window_start, window_steps = time.perf_counter(), 0
-    for i in bar:
-        state, metrics = step_fn(state, trainer.put_batch(next(loader)))
-        window_steps += 1
-        step = i + 1
-        if step % t.log_every == 0 or step == t.steps:
-            loss = float(metrics["loss"])  # the one host sync per log interval
+    bar = tqdm(range(start + 1, t.steps + 1), desc="train", disable=not is_main,
+               initial=start, total=t.steps)
+    window_start, window_steps, first_window = time.perf_counter(), 0, True
+    try:
+        for step in bar:
+            state, metrics = step_fn(state, trainer.put_batch(next(loader)))
+            window_steps += 1
+            log_now = step % t.log_every == 0 or step == t.steps
+            save_now = t.checkpoint_every and step % t.checkpoint_every == 0
+            if not (log_now or save_now):
+                continue
+            loss = float(metrics["loss"])  # the one host sync per log / checkpoint interval
+            grad_norm = float(metrics["grad_norm"])
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise TrainingDiverged(
+                    f"loss is {loss} (gradient norm {grad_norm}) at step {step}; stopping. The last good checkpoint is "
+                    f"step {ckpt.latest_step()} in {ckpt.directory} (lower train.lr or raise "
+                    f"train.warmup_steps, then resume)")
+            if save_now:
+                ckpt.save(step, state, data_state=loader.state())
+            if not log_now:
+                continue
             dt = (time.perf_counter() - window_start) / window_steps
-            rec = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+            rec = {"step": step, "loss": loss, "grad_norm": grad_norm,
+                   "lr": float(optim.schedule(t)(step - 1)),
                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                    "mfu": flops_per_step / dt / peak}
-            if step == t.log_every:  # the first window includes compilation
+            if first_window:  # the first window includes compilation
                 rec["includes_compile"] = True
+                first_window = False
             if step % t.eval_every == 0 or step == t.steps:
                 eval_loader.step = 0  # the same held-out batches every time
                 rec["eval_loss"] = float(np.mean([
                     float(eval_fn(state.params, trainer.put_batch(next(eval_loader))))
                     for _ in range(t.eval_batches)]))
             records.append(rec)
-            metrics_file.write(json.dumps(rec) + "\n")
-            metrics_file.flush()
+            if is_main:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             mfu=f"{100 * rec['mfu']:.1f}%")
             window_start, window_steps = time.perf_counter(), 0
-    metrics_file.close()
-    if jax.process_index() == 0:
+        if start < t.steps and ckpt.latest_step() != t.steps:
+            ckpt.save(t.steps, state, data_state=loader.state(), force=True)
+    finally:
+        ckpt.wait()
+        ckpt.close()
+    if is_main and records:
         _plot(records, out / "loss.png")
         last = records[-1]
-        print(f"done: {t.steps} steps, loss {last['loss']:.3f}, eval loss "
-              f"{last.get('eval_loss', float('nan')):.3f}, {last['tokens_per_s']:.0f} tokens/s, "
-              f"MFU {100 * last['mfu']:.1f}%; metrics in {out / 'metrics.jsonl'}, "
-              f"curve in {out / 'loss.png'}")
+        print(f"done: {t.steps} steps, loss {records[0]['loss']:.3f} -> {last['loss']:.3f}, "
+              f"eval loss {last.get('eval_loss', float('nan')):.3f}, "
+              f"{last['tokens_per_s']:.0f} tokens/s, MFU {100 * last['mfu']:.2f}%; metrics in "
+              f"{metrics_path}, curve in {out / 'loss.png'}")
     return records

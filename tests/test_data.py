@@ -72,3 +72,17 @@ def test_default_corpus_and_token_files(tmp_path):
 def test_split_holds_out_the_tail():
     train, held = data.train_eval_split(np.arange(100), 0.1)
     assert len(train) == 90 and held[0] == 90
+
+
+def test_bpe_tokenizer_trains_locally_and_round_trips(tmp_path):
+    text = ("def add(a, b):\n    return a + b\n" * 200).encode()
+    (tmp_path / "code.py").write_text(text.decode())
+    cfg = DataConfig(path=str(tmp_path / "code.py"), tokenizer="bpe")
+    ids = data.load_tokens(cfg, vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    assert ids.max() < 300 and len(ids) < len(text) / 2  # merges compress the text
+    tok = data.bpe_tokenizer(cfg, text, 300, str(tmp_path / "cache"))  # the cached one
+    assert tok.decode(ids[:50].tolist()) == tok.decode(tok.encode(text.decode()).ids[:50])
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        data.bpe_tokenizer(DataConfig(tokenizer="bpe",
+                                      tokenizer_path=str(tmp_path / "cache" / "bpe-300.json")),
+                           text, 100, None)

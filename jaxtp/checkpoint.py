@@ -1,0 +1,244 @@
+"""Sharded, asynchronous, atomic checkpoints of the train state, restorable onto any mesh.
+
+A checkpoint is one orbax-checkpoint step directory ``<directory>/<step>`` holding three items:
+``state`` (the :class:`~jaxtp.train.TrainState` arrays, each written shard by shard from the
+devices that own it), ``data`` (the data loader's JSON state, for exact resume) and ``meta`` (the
+model config and the padded vocab size it was saved with). Orbax writes into a temporary directory
+and renames it only once every host has committed, so a kill at any moment leaves either the whole
+step or none of it; saves run in a background thread after the device-to-host copy, and only the
+last ``keep`` steps are kept. Restoring reads each array directly into the shardings of the target
+state, so a run saved on (data=2, model=4) resumes on (data=4, model=2) without gathering the model
+anywhere. The one shape that depends on the mesh is the vocabulary dim of the embedding and output
+head (and their Adam moments), padded to a multiple of ``vocab_pad_multiple x TP degree`` as in
+Megatron-LM (Shoeybi et al. 2019): those rows past ``vocab_size`` are truncated or zero-padded,
+which never changes the loss because padded logits are masked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+
+from jaxtp.config import Config, ConfigError, ModelConfig
+
+# Bumped when the layout of the items changes; restore refuses a format it does not know.
+FORMAT_VERSION = 1
+# Padding differs across TP degrees by design, so it is not part of a model's identity.
+_IGNORED_MODEL_FIELDS = ("vocab_pad_multiple",)
+
+
+def _flatten(tree) -> tuple[dict[str, Any], Any]:
+    """``{"params.embed.table.value": leaf, ...}`` and the treedef to rebuild ``tree``.
+
+    Orbax would have to know how to (de)serialise every custom node (nnx ``State`` and
+    ``Variable``, optax's named tuples); a flat dict of arrays keyed by the path is plain data, and
+    the structure comes back from the restore target instead.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    flat = {jax.tree_util.keystr(path, simple=True, separator="."): leaf for path, leaf in leaves}
+    if len(flat) != len(leaves):
+        raise ValueError("two leaves of the train state flatten to the same checkpoint key")
+    return flat, treedef
+
+
+def _tensor_parallel_degree(tree) -> int:
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return int(sharding.mesh.shape.get("model", 1))
+    return 1
+
+
+class Checkpointer:
+    """Save / restore :class:`~jaxtp.train.TrainState` plus the data-loader state under
+    ``directory``, keeping the last ``keep`` steps. Call :meth:`close` (or :meth:`wait`) before the
+    process exits, or the last asynchronous save may not be committed."""
+
+    def __init__(self, directory: str | Path, *, keep: int, cfg: Config):
+        if keep < 1:
+            raise ConfigError(f"train.keep_checkpoints={keep} must be at least 1")
+        self.directory = Path(directory).absolute()
+        self.cfg = cfg
+        self._options = ocp.CheckpointManagerOptions(
+            preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
+            enable_async_checkpointing=True,
+            # a save killed midway leaves a "<step>.orbax-checkpoint-tmp-*" directory; drop it
+            cleanup_tmp_directories=True,
+        )
+        # Opened lazily for a directory that does not exist yet, so that only a save creates it
+        # (a mistyped restore path is reported, not silently created).
+        self._manager: ocp.CheckpointManager | None = None
+        if self.directory.exists():
+            self._open()
+
+    def _open(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            # Naming each item's handler lets a fresh process read an item's metadata (the saved
+            # shapes) before restoring it.
+            registry = ocp.handlers.create_default_handler_registry(
+                state=ocp.StandardCheckpointHandler(), data=ocp.JsonCheckpointHandler(),
+                meta=ocp.JsonCheckpointHandler())
+            self._manager = ocp.CheckpointManager(self.directory, options=self._options,
+                                                  handler_registry=registry)
+        return self._manager
+
+    # ------------------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        return [] if self._manager is None else sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest step saved (or being saved asynchronously), ``None`` if there is none."""
+        return None if self._manager is None else self._manager.latest_step()
+
+    def save(self, step: int, state, *, data_state: dict, force: bool = False) -> None:
+        """Start saving ``state`` at ``step``; returns once the arrays are copied off the devices.
+
+        A step at or behind the latest saved one is skipped unless ``force``; a step that already
+        exists is never overwritten (that would risk the only good copy).
+        """
+        manager = self._open()
+        if step in manager.all_steps():
+            return
+        flat, _ = _flatten(state)
+        tp = _tensor_parallel_degree(state)
+        meta = {"format": FORMAT_VERSION, "model": dataclasses.asdict(self.cfg.model),
+                "tensor_parallel": tp, "padded_vocab": self.cfg.model.padded_vocab_size(tp)}
+        manager.save(step, force=force, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(flat),
+            data=ocp.args.JsonSave(dict(data_state)),
+            meta=ocp.args.JsonSave(meta)))
+
+    def wait(self) -> None:
+        """Block until every pending asynchronous save is committed (renamed into place)."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+    # ------------------------------------------------------------------------------------------
+    def restore(self, step: int | None, *, like) -> tuple[Any, dict]:
+        """``(state, data_state)`` of ``step`` (``None``: the latest), in ``like``'s shardings.
+
+        ``like`` is a train state of ``jax.ShapeDtypeStruct`` (with ``.sharding``) or of arrays;
+        only its structure, shapes, dtypes and shardings are used.
+        """
+        step = self._resolve_step(step)
+        manager = self._open()
+        where = self.directory / str(step)
+        with self._reading(step):
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            meta = meta["meta"]
+            if not isinstance(meta, dict):
+                raise FileNotFoundError(f"{where / 'meta'} is missing")
+        self._check_model(meta, where)
+
+        target, treedef = _flatten(like)
+        with self._reading(step):
+            saved = manager.item_metadata(step)["state"]
+        saved = dict(saved.tree if hasattr(saved, "tree") else saved)
+        resized = self._check_shapes(saved, target, meta, where)
+
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._sharding_of(k, v))
+                    for k, v in target.items()}
+        with self._reading(step):
+            restored = manager.restore(step, args=ocp.args.Composite(
+                # strict=False lets orbax truncate / zero-pad while reading each shard; allowed
+                # only after _check_shapes has confirmed every resize is of vocab padding rows.
+                state=ocp.args.StandardRestore(abstract, strict=not resized),
+                data=ocp.args.JsonRestore()))
+            if not isinstance(restored["data"], dict):  # without it the resume is not exact
+                raise FileNotFoundError(f"{where / 'data'} is missing")
+        state = jax.tree_util.tree_unflatten(treedef, [restored["state"][k] for k in target])
+        return state, dict(restored["data"])
+
+    def _resolve_step(self, step: int | None) -> int:
+        if not self.directory.exists():
+            raise ConfigError(f"checkpoint directory {self.directory} does not exist; check "
+                              f"train.out_dir, or start without a checkpoint")
+        steps = self.all_steps()
+        if not steps:
+            raise ConfigError(f"no checkpoints in {self.directory}; check train.out_dir, or "
+                              f"start without a checkpoint")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise ConfigError(f"no checkpoint for step {step} in {self.directory}; the saved "
+                              f"steps are {steps}")
+        return step
+
+    @contextlib.contextmanager
+    def _reading(self, step: int):
+        """Turn orbax / tensorstore failures on a damaged step into an error that names it."""
+        try:
+            yield
+        except ConfigError:
+            raise
+        except Exception as e:  # orbax raises many types (ValueError, OSError, tensorstore's)
+            earlier = [s for s in self.all_steps() if s < step]
+            hint = (f"restore an earlier step ({', '.join(map(str, earlier))})" if earlier
+                    else "start from scratch")
+            root = e  # orbax wraps the informative tensorstore error in generic ones
+            while root.__cause__ is not None or root.__context__ is not None:
+                root = root.__cause__ or root.__context__
+            detail = (str(root).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(
+                f"checkpoint step {step} in {self.directory} is incomplete or corrupt "
+                f"({type(root).__name__}: {detail}); delete {self.directory / str(step)} and "
+                f"{hint}") from e
+
+    def _check_model(self, meta: dict, where: Path) -> None:
+        if meta.get("format") != FORMAT_VERSION:
+            raise ConfigError(f"checkpoint {where} has format {meta.get('format')!r}; this jaxtp "
+                              f"reads format {FORMAT_VERSION}: restore it with the jaxtp that "
+                              f"wrote it, or start from scratch")
+        saved = meta.get("model", {})
+        ours = dataclasses.asdict(self.cfg.model)
+        defaults = dataclasses.asdict(ModelConfig())
+        # a field added after the checkpoint was written counts as its default
+        diffs = [f"model.{k}={saved.get(k, defaults[k])!r} in the checkpoint but {v!r} here"
+                 for k, v in ours.items()
+                 if k not in _IGNORED_MODEL_FIELDS and saved.get(k, defaults[k]) != v]
+        if diffs:
+            raise ConfigError(f"checkpoint {where} was written by a different model: "
+                              f"{'; '.join(diffs)}. Set the model config to match, or use a "
+                              f"fresh train.out_dir")
+
+    def _check_shapes(self, saved: dict, target: dict, meta: dict, where: Path) -> bool:
+        """Whether any leaf is resized; errors unless every resize is vocab padding."""
+        missing, extra = sorted(set(target) - set(saved)), sorted(set(saved) - set(target))
+        if missing or extra:
+            raise ConfigError(f"checkpoint {where} holds a different train state (missing: "
+                              f"{missing[:4]}, unexpected: {extra[:4]}); was it written with "
+                              f"another optimizer config? Match it, or use a fresh train.out_dir")
+        vocab, padded = self.cfg.model.vocab_size, meta.get("padded_vocab")
+        resized = False
+        for key, want in target.items():
+            have = tuple(saved[key].shape)
+            if have == tuple(want.shape):
+                continue
+            padding_only = len(have) == len(want.shape) and all(
+                h == w or (min(h, w) >= vocab and h == padded)
+                for h, w in zip(have, want.shape))
+            if not padding_only:
+                raise ConfigError(f"checkpoint {where}: {key} has shape {have} but the target is "
+                                  f"{tuple(want.shape)}; only vocab padding rows (past "
+                                  f"model.vocab_size={vocab}) may differ")
+            resized = True
+        return resized
+
+    @staticmethod
+    def _sharding_of(key: str, leaf):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            raise ValueError(f"restore target {key} has no sharding; pass like= as "
+                             f"Trainer.abstract_state() or a state of placed arrays")
+        return sharding
