@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+import jax
+
+from jaxtp import distributed
 from jaxtp.config import PRESETS, ConfigError, load
+from jaxtp.train import TrainingDiverged
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,7 +28,18 @@ def _parser() -> argparse.ArgumentParser:
                          help=f"preset name: {', '.join(sorted(PRESETS))} (default: tiny)")
         sub.add_argument("--devices", type=int, default=None,
                          help="simulate N CPU devices, e.g. to inspect a mesh larger than this "
-                              "machine (default: accelerators if any, else 8 CPU devices)")
+                              "machine (default: accelerators if any, else 8 CPU devices); "
+                              "with several processes, the CPU devices of each")
+        dist = sub.add_argument_group(
+            "multi-process (one process per host; SLURM, Open MPI and TPU pods are detected "
+            "without these)")
+        dist.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                          help="address of process 0, the same on every process "
+                               "(env JAXTP_COORDINATOR)")
+        dist.add_argument("--num-processes", type=int, default=None, metavar="N",
+                          help="number of processes (env JAXTP_NUM_PROCESSES)")
+        dist.add_argument("--process-id", type=int, default=None, metavar="I",
+                          help="this process, 0 .. N-1 (env JAXTP_PROCESS_ID)")
         sub.add_argument("overrides", nargs="*", metavar="section.field=value")
 
     ins = verbs.add_parser("inspect", help="compile the step ahead of time and print the "
@@ -47,10 +63,6 @@ SIMULATED_DEVICES = 8
 def _use_devices(n: int | None) -> None:
     """``--devices N``: N simulated CPU devices. Without it, the CPU backend still gets 8, so a
     machine with no accelerator runs the 8-device mesh; accelerators, when present, are used."""
-    import os
-
-    import jax
-
     if n is not None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
@@ -63,12 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load(args.config, args.overrides)
         _use_devices(args.devices)
+        distributed.initialize(coordinator=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id, local_devices=args.devices)
         from jaxtp import engine
 
         if args.verb == "inspect":
             from jaxtp import inspect
 
             r = inspect.report(engine.build(cfg), step=args.step)
+            if jax.process_index() != 0:  # every process compiles; one reports
+                return 0
             if args.hlo_out:
                 with open(args.hlo_out, "w") as f:
                     f.write(r.hlo_text)
@@ -86,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxtp: error: {e}", file=sys.stderr)
         return 2
+    except distributed.DistributedError as e:
+        print(f"jaxtp: error: {e}", file=sys.stderr)
+        return 1
+    except TrainingDiverged as e:
+        print(f"jaxtp: error: {e}", file=sys.stderr)
+        return 3
     return 1
 
 

@@ -144,7 +144,7 @@ def tiny() -> Config:
     return Config(
         model=ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8,
                           d_ff=256, max_seq_len=128),
-        train=TrainConfig(batch_size=8, seq_len=64),
+        train=TrainConfig(batch_size=8, seq_len=64, steps=500, eval_every=100),
     )
 
 

@@ -71,9 +71,11 @@ def bpe_tokenizer(cfg: DataConfig, text: bytes, vocab_size: int, cache_dir: str 
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         lines = text.decode("utf-8", errors="replace").splitlines()
         tok.train_from_iterator(lines, trainer=trainer)
-        if cached is not None:
+        if cached is not None:  # write-then-rename: other processes may be reading it
             cached.parent.mkdir(parents=True, exist_ok=True)
-            tok.save(str(cached))
+            tmp = cached.with_name(f"{cached.name}.{os.getpid()}")
+            tok.save(str(tmp))
+            os.replace(tmp, cached)
     if tok.get_vocab_size() > vocab_size:
         raise ConfigError(f"the tokenizer has {tok.get_vocab_size()} tokens but model.vocab_size="
                           f"{vocab_size}; set model.vocab_size >= {tok.get_vocab_size()}")

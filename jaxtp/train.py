@@ -39,7 +39,7 @@ PEAK_FLOPS = {
 
 def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of one large fp32 matmul on the host: the CPU's usable peak, measured once."""
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices("cpu")[0])
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.local_devices(backend="cpu")[0])
     mm = jax.jit(lambda x: x @ x)
     mm(a).block_until_ready()
     best = math.inf
@@ -54,8 +54,8 @@ def peak_flops(devices) -> float:
     """Peak FLOP/s of all ``devices`` together."""
     kind = devices[0].device_kind.lower()
     if devices[0].platform == "cpu":
-        # Simulated CPU devices share the host's cores: the host's matmul peak is the whole budget.
-        return measure_cpu_peak()
+        # Simulated CPU devices share their host's cores: each host's matmul peak is its budget.
+        return measure_cpu_peak() * jax.process_count()
     for key, flops in PEAK_FLOPS.items():
         if key in kind:
             return flops * len(devices)
@@ -214,7 +214,7 @@ def run(cfg: Config, devices=None) -> list[dict]:
     records = _read_records(metrics_path, start) if start else []
     if is_main:
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    if start:
+    if start and is_main:
         print(f"resuming from step {start} ({ckpt.directory})", flush=True)
 
     step_fn, eval_fn = trainer.step_fn(state), trainer.eval_fn()

@@ -63,3 +63,11 @@ def test_train_runs_and_writes_metrics(tmp_path):
     # byte-level text is learnable: 30 steps take the loss well below uniform (ln 256 = 5.55)
     assert records[-1]["loss"] < 4.0
     assert (out / "loss.png").stat().st_size > 0
+
+
+def test_train_divergence_is_a_clear_error(tmp_path):
+    r = _jaxtp("train", "--config", "tiny", "train.steps=50", "train.lr=1e12",
+               "train.warmup_steps=1", "train.grad_clip=1e30", "train.log_every=1",
+               f"train.out_dir={tmp_path}")
+    assert r.returncode == 3, r.stderr
+    assert "stopping" in r.stderr and "Traceback" not in r.stderr
