@@ -32,6 +32,15 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def token_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, ops, *,
+                 remat: str) -> jax.Array:
+    """Per-token next-token cross-entropy ``[B,S]`` of the model ``(graphdef, params)``."""
+    model = nnx.merge(graphdef, params)
+    inputs = batch["inputs"]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    return model.token_losses(inputs, batch["targets"], positions, ops, remat=remat)
+
+
 @dataclass(frozen=True, eq=False)
 class Engine:
     """Everything derived from a config and a device set, computed once."""
@@ -95,21 +104,16 @@ class Engine:
         cfg, graphdef = self.cfg, self.graphdef
         remat = cfg.parallel.remat
 
-        def token_losses(params, batch, ops):
-            model = nnx.merge(graphdef, params)
-            inputs = batch["inputs"]
-            positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-            return model.token_losses(inputs, batch["targets"], positions, ops, remat=remat)
-
         if cfg.parallel.mode == "gspmd":
             ops = GSPMDOps(self.mesh, self.activation_rules)
-            return lambda params, batch: jnp.mean(token_losses(params, batch, ops))
+            return lambda params, batch: jnp.mean(
+                token_losses(graphdef, params, batch, ops, remat=remat))
 
         n_tokens = cfg.train.batch_size * cfg.train.seq_len
 
         def local_loss(params, batch):
             params = collectives.data_parallel_params(params, BATCH_AXES)
-            per_token = token_losses(params, batch, ExplicitOps())
+            per_token = token_losses(graphdef, params, batch, ExplicitOps(), remat=remat)
             return jax.lax.psum(jnp.sum(per_token), BATCH_AXES) / n_tokens
 
         return jax.shard_map(local_loss, mesh=self.mesh,
@@ -139,11 +143,7 @@ class Engine:
             ops, manual = GSPMDOps(self.mesh, rules), frozenset(BATCH_AXES)
 
         def micro_loss(params, micro):
-            model = nnx.merge(graphdef, params)
-            inputs = micro["inputs"]
-            positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-            losses = model.token_losses(inputs, micro["targets"], positions, ops,
-                                        remat=cfg.parallel.remat)
+            losses = token_losses(graphdef, params, micro, ops, remat=cfg.parallel.remat)
             return jnp.sum(losses) / n_tokens
 
         def local(params, batch):
@@ -204,11 +204,8 @@ def reference_loss_fn(cfg: Config, padded_vocab: int | None = None):
     graphdef, _ = nnx.split(abstract)
 
     def loss(params, batch):
-        model = nnx.merge(graphdef, params)
-        inputs = batch["inputs"]
-        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-        return jnp.mean(model.token_losses(inputs, batch["targets"], positions, LocalOps(),
-                                           remat=cfg.parallel.remat))
+        return jnp.mean(token_losses(graphdef, params, batch, LocalOps(),
+                                     remat=cfg.parallel.remat))
     return loss
 
 
