@@ -137,10 +137,9 @@ class Engine:
         explicit = cfg.parallel.mode == "explicit"
         if explicit:
             ops, manual = ExplicitOps(), None
-        else:  # inside the region the batch axes are manual, so constraints must not name them
-            rules = Rules(tuple((k, None if k == "batch" else v)
-                                for k, v in self.activation_rules.table))
-            ops, manual = GSPMDOps(self.mesh, rules), frozenset(BATCH_AXES)
+        else:  # the batch axes are manual inside the region; `model` stays with GSPMD
+            ops = GSPMDOps(self.mesh, self.activation_rules.replicating("batch"))
+            manual = frozenset(BATCH_AXES)
 
         def micro_loss(params, micro):
             losses = token_losses(graphdef, params, micro, ops, remat=cfg.parallel.remat)

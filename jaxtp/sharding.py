@@ -36,6 +36,11 @@ class Rules:
     def spec(self, names: Sequence[str | None]) -> PartitionSpec:
         return PartitionSpec(*(self[n] for n in names))
 
+    def replicating(self, *names: str) -> Rules:
+        """This table with ``names`` mapped to no mesh axis (e.g. ``batch`` inside a region where
+        the batch axes are manual, so a constraint must not name them)."""
+        return Rules(tuple((k, None if k in names else v) for k, v in self.table))
+
 
 def _rules(mapping: Mapping[str, MeshAxes]) -> Rules:
     return Rules(tuple(mapping.items()))
