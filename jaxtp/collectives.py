@@ -47,3 +47,26 @@ def data_parallel_params(params, axes: tuple[str, ...]):
     sync), placed once per step outside the layer loop rather than once per use.
     """
     return jax.tree.map(lambda p: jax.lax.pcast(p, axes, to="varying"), params)
+
+
+def gather_shard(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+    """ZeRO-3's just-in-time gather. Forward: all-gather over ``axes`` along ``dim``. Backward:
+    reduce-scatter of the cotangent (JAX's transpose of ``all_gather``).
+
+    ``[.., d/n, ..]{V_axes} -> [.., d, ..]{V_axes}``.
+    """
+    return jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+
+
+def sync_grads(g: jax.Array, replicated: tuple[str, ...], scatter: tuple[str, ...],
+               dim: int | None) -> jax.Array:
+    """The data-parallel sync of one local gradient: reduce-scatter over ``scatter`` along ``dim``
+    (ZeRO 2), then all-reduce over the rest of ``replicated`` (DDP, ZeRO 0/1, hybrid replicas).
+
+    ``[.., d, ..]{V_replicated} -> [.., d/n_scatter, ..]``.
+    """
+    if scatter:
+        g = jax.lax.psum_scatter(g, scatter if len(scatter) > 1 else scatter[0],
+                                 scatter_dimension=dim, tiled=True)
+    rest = tuple(a for a in replicated if a not in scatter)
+    return jax.lax.psum(g, rest) if rest else g

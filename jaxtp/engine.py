@@ -20,16 +20,49 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtp import collectives
 from jaxtp.config import Config, validate_model
-from jaxtp.execution import ExplicitOps, GSPMDOps, LocalOps
+from jaxtp.execution import ExplicitOps, GSPMDOps, LocalOps, gather_params
 from jaxtp.mesh import BATCH_AXES, build_mesh, validate
 from jaxtp.model import Transformer
-from jaxtp.sharding import Rules, activation_rules, batch_spec, named, param_rules, param_specs
+from jaxtp.sharding import (Rules, ZeroLayout, activation_rules, batch_spec, named, param_rules,
+                            param_specs, restrict, zero_axes_of, zero_layout, zero_specs)
 
 Batch = dict[str, jax.Array]  # {"inputs": [B,S] int32, "targets": [B,S] int32}
 
 
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _map_specs(fn, specs, *trees):
+    """``fn(spec, *leaves)`` over a State of PartitionSpecs and States of Variables like it."""
+    return jax.tree.map(fn, specs, *trees, is_leaf=_is_spec)
+
+
+def mark_data_parallel(params: nnx.State, specs: nnx.State,
+                       axes: tuple[str, ...] = BATCH_AXES) -> nnx.State:
+    """Megatron-style ``f`` over the batch axes for every parameter a data rank does not shard:
+    its gradient becomes a local (varying) partial sum that :func:`sync_grads` reduces once."""
+    def one(spec, var):
+        rest = tuple(a for a in axes if a not in zero_axes_of(spec)[1])
+        return var.replace(jax.lax.pcast(var[...], rest, to="varying")) if rest else var
+    return _map_specs(one, specs, params)
+
+
+def sync_grads(grads: nnx.State, param_specs: nnx.State, grad_specs: nnx.State,
+               axes: tuple[str, ...] = BATCH_AXES) -> nnx.State:
+    """The one data-parallel gradient sync per step: all-reduce (ZeRO 0/1), reduce-scatter into
+    the gradient shard (ZeRO 2), nothing for ZeRO-3 shards (reduce-scattered by their gather)."""
+    def one(pspec, gspec, g):
+        held = zero_axes_of(pspec)[1]
+        dim, gaxes = zero_axes_of(gspec)
+        scatter = tuple(a for a in gaxes if a not in held)
+        replicated = tuple(a for a in axes if a not in held)
+        return g.replace(collectives.sync_grads(g[...], replicated, scatter, dim))
+    return _map_specs(one, param_specs, grad_specs, grads)
 
 
 def token_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, ops, *,
@@ -55,12 +88,58 @@ class Engine:
     abstract_params: nnx.State  # ShapeDtypeStruct values, no sharding
 
     @cached_property
-    def param_specs(self) -> nnx.State:
+    def zero(self) -> ZeroLayout:
+        return zero_layout(self.cfg.parallel, self.degrees)
+
+    @cached_property
+    def tp_specs(self) -> nnx.State:
+        """Parameter specs from the tensor-parallel table alone (a ZeRO-3 shard, gathered)."""
         return param_specs(self.abstract_params, self.param_rules)
+
+    @cached_property
+    def param_specs(self) -> nnx.State:
+        return zero_specs(self.abstract_params, self.tp_specs, self.zero.params, self.zero)
+
+    @cached_property
+    def grad_specs(self) -> nnx.State:
+        return zero_specs(self.abstract_params, self.tp_specs, self.zero.grads, self.zero)
+
+    @cached_property
+    def moment_specs(self) -> nnx.State:
+        """Adam moments (and any other per-parameter optimizer state)."""
+        return zero_specs(self.abstract_params, self.tp_specs, self.zero.moments, self.zero)
 
     @cached_property
     def param_shardings(self) -> nnx.State:
         return named(self.mesh, self.param_specs)
+
+    @cached_property
+    def grad_shardings(self) -> nnx.State:
+        return named(self.mesh, self.grad_specs)
+
+    @cached_property
+    def moment_shardings(self) -> nnx.State:
+        return named(self.mesh, self.moment_specs)
+
+    @cached_property
+    def layer_specs(self) -> nnx.State | None:
+        """One layer's parameter specs (the ``layers`` dim dropped) when ZeRO-3 shards them."""
+        if not self.zero.params:
+            return None
+        return jax.tree.map(lambda s: PartitionSpec(*tuple(s)[1:]), self.param_specs["blocks"],
+                            is_leaf=_is_spec)
+
+    def _outer_specs(self, specs: nnx.State) -> nnx.State:
+        """``specs`` with the scanned layers' entries replicated: what to gather before the scan."""
+        def one(v, s):
+            return PartitionSpec() if "layers" in v.get_metadata()["names"] else s
+        return jax.tree.map(one, self.abstract_params, specs, is_leaf=_is_variable)
+
+    def _gather_outer(self, params: nnx.State) -> nnx.State:
+        """ZeRO-3 in a manual region: gather the embedding, final norm and head before use."""
+        if not self.zero.params:
+            return params
+        return gather_params(params, self._outer_specs(self.param_specs))
 
     @property
     def batch_spec(self) -> PartitionSpec:
@@ -99,80 +178,119 @@ class Engine:
         return params, {"inputs": tok, "targets": tok}
 
     # --------------------------------------------------------------------------------------
+    def _ops(self, *, manual_batch: bool):
+        if self.cfg.parallel.mode == "explicit":
+            return ExplicitOps(self.layer_specs)
+        if manual_batch:  # the batch axes are manual inside the region; `model` stays with GSPMD
+            return GSPMDOps(self.mesh, self.activation_rules.replicating("batch"),
+                            self.layer_specs, manual_zero=True)
+        return GSPMDOps(self.mesh, self.activation_rules, self.layer_specs)
+
+    @property
+    def _dp_axes(self) -> tuple[str, ...]:
+        """The batch axes manual in the per-device region: all of them in explicit mode; in GSPMD
+        mode those of size > 1 (none: the region is the whole program, no ``shard_map``)."""
+        if self.cfg.parallel.mode == "explicit":
+            return BATCH_AXES
+        return tuple(a for a in BATCH_AXES if self.degrees[a] > 1)
+
+    def _region_specs(self, specs: nnx.State) -> nnx.State:
+        """``shard_map`` specs for a state: all axes in explicit mode, the batch axes otherwise."""
+        if self.cfg.parallel.mode == "explicit":
+            return specs
+        return jax.tree.map(lambda s: restrict(s, self._dp_axes), specs, is_leaf=_is_spec)
+
+    def _shard_map(self, fn, *, out_specs, param_out: nnx.State | None = None):
+        """``fn(params, batch)`` per device: every axis manual in explicit mode, only the batch
+        axes in GSPMD mode (``model`` left to the partitioner)."""
+        explicit = self.cfg.parallel.mode == "explicit"
+        if not self._dp_axes:
+            return fn
+        out = out_specs if param_out is None else (out_specs, self._region_specs(param_out))
+        return jax.shard_map(
+            fn, mesh=self.mesh,
+            in_specs=(self._region_specs(self.param_specs), restrict(self.batch_spec, self._dp_axes)),
+            out_specs=out,
+            axis_names=frozenset(self.mesh.axis_names if explicit else self._dp_axes))
+
     def loss_fn(self) -> Callable[[nnx.State, Batch], jax.Array]:
         """Mean next-token loss over the global batch, in the configured execution mode."""
         cfg, graphdef = self.cfg, self.graphdef
         remat = cfg.parallel.remat
 
         if cfg.parallel.mode == "gspmd":
-            ops = GSPMDOps(self.mesh, self.activation_rules)
-            return lambda params, batch: jnp.mean(
-                token_losses(graphdef, params, batch, ops, remat=remat))
+            ops = self._ops(manual_batch=False)
+            outer = self._outer_specs(self.param_specs)
+
+            def loss(params, batch):
+                # a sharded embedding table is gathered before the lookup, not partitioned by it
+                params = ops.gather(params, outer)
+                return jnp.mean(token_losses(graphdef, params, batch, ops, remat=remat))
+            return loss
 
         n_tokens = cfg.train.batch_size * cfg.train.seq_len
+        ops = self._ops(manual_batch=True)
 
         def local_loss(params, batch):
-            params = collectives.data_parallel_params(params, BATCH_AXES)
-            per_token = token_losses(graphdef, params, batch, ExplicitOps(), remat=remat)
-            return jax.lax.psum(jnp.sum(per_token), BATCH_AXES) / n_tokens
+            params = self._gather_outer(mark_data_parallel(params, self.param_specs))
+            per_token = token_losses(graphdef, params, batch, ops, remat=remat)
+            return jax.lax.psum(jnp.sum(per_token), BATCH_AXES) / n_tokens  # explicit: all manual
 
-        return jax.shard_map(local_loss, mesh=self.mesh,
-                             in_specs=(self.param_specs, self.batch_spec),
-                             out_specs=PartitionSpec())
+        return self._shard_map(local_loss, out_specs=PartitionSpec())
 
     def value_and_grad_fn(self):
-        """``(params, batch) -> (loss, grads)``, accumulated over ``train.microbatches``.
+        """``(params, batch) -> (loss, grads)``, grads in :attr:`grad_specs`, accumulated over
+        ``train.microbatches``.
 
-        With one micro-batch this is ``jax.value_and_grad(loss_fn())``. With m > 1 each device
-        splits its rows into m micro-batches, accumulates *local* gradients over them in a scan,
-        and the data-parallel all-reduce runs once per step after the scan (never once per
-        micro-batch): the batch axes are manual (``shard_map``), the ``model`` axis is manual too in
-        explicit mode and left to GSPMD otherwise.
+        GSPMD with one micro-batch is ``jax.value_and_grad(loss_fn())`` and XLA places the sync.
+        Otherwise each device computes *local* gradients (accumulated over its m micro-batches in a
+        scan) and :func:`sync_grads` runs once per step after it, never once per micro-batch: the
+        batch axes are manual (``shard_map``), and so is ``model`` in explicit mode. The exception
+        is ZeRO-3: a sharded parameter is gathered, and its gradient reduce-scattered, inside every
+        micro-batch, as in ZeRO and FSDP (holding whole gradients across micro-batches would undo
+        the sharding).
         """
-        m = self.cfg.train.microbatches
-        if m == 1:
-            return jax.value_and_grad(self.loss_fn())
         cfg, graphdef = self.cfg, self.graphdef
+        m = cfg.train.microbatches
         n_tokens = cfg.train.batch_size * cfg.train.seq_len
-        explicit = cfg.parallel.mode == "explicit"
-        if explicit:
-            ops, manual = ExplicitOps(), None
-        else:  # the batch axes are manual inside the region; `model` stays with GSPMD
-            ops = GSPMDOps(self.mesh, self.activation_rules.replicating("batch"))
-            manual = frozenset(BATCH_AXES)
+        dp = self._dp_axes
+        ops = self._ops(manual_batch=bool(dp))
 
         def micro_loss(params, micro):
+            params = self._gather_outer(params)
             losses = token_losses(graphdef, params, micro, ops, remat=cfg.parallel.remat)
             return jnp.sum(losses) / n_tokens
 
         def local(params, batch):
-            params = collectives.data_parallel_params(params, BATCH_AXES)
-            # local row r*m + k goes to micro-batch k: a reshape, no data movement
-            micro = jax.tree.map(
-                lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+            params = mark_data_parallel(params, self.param_specs, dp)
+            if m == 1:
+                loss, grads = jax.value_and_grad(micro_loss)(params, batch)
+            else:
+                # local row r*m + k goes to micro-batch k: a reshape, no data movement
+                micro = jax.tree.map(
+                    lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
 
-            def body(acc, mb):
-                loss, grads = jax.value_and_grad(micro_loss)(params, mb)
-                return jax.tree.map(jnp.add, acc, (loss, grads)), None
+                def body(acc, mb):
+                    loss, grads = jax.value_and_grad(micro_loss)(params, mb)
+                    return jax.tree.map(jnp.add, acc, (loss, grads)), None
 
-            zero_loss = jax.lax.pcast(jnp.zeros((), jnp.float32), BATCH_AXES, to="varying")
-            zero = (zero_loss, jax.tree.map(jnp.zeros_like, params))
-            (loss, grads), _ = jax.lax.scan(body, zero, micro)
-            return jax.lax.psum((loss, grads), BATCH_AXES)  # the one gradient sync per step
+                zero_loss = jnp.zeros((), jnp.float32)
+                if dp:
+                    zero_loss = jax.lax.pcast(zero_loss, dp, to="varying")
+                zero = (zero_loss, jax.tree.map(jnp.zeros_like, params))
+                (loss, grads), _ = jax.lax.scan(body, zero, micro)
+            # the one gradient sync per step
+            return (jax.lax.psum(loss, dp) if dp else loss,
+                    sync_grads(grads, self.param_specs, self.grad_specs, dp))
 
-        if explicit:
-            specs = (self.param_specs, self.batch_spec)
-            return jax.shard_map(local, mesh=self.mesh, in_specs=specs,
-                                 out_specs=(PartitionSpec(), self.param_specs))
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(PartitionSpec(), self.batch_spec),
-                             out_specs=(PartitionSpec(), PartitionSpec()), axis_names=manual)
+        return self._shard_map(local, out_specs=PartitionSpec(), param_out=self.grad_specs)
 
     def loss_and_grad(self, *, donate: bool = False):
-        """``jit``-ed ``(params, batch) -> (loss, grads)`` with grads sharded like params."""
+        """``jit``-ed ``(params, batch) -> (loss, grads)``, grads in :attr:`grad_shardings`."""
         return jax.jit(
             self.value_and_grad_fn(),
             in_shardings=(self.param_shardings, self.batch_sharding),
-            out_shardings=(NamedSharding(self.mesh, PartitionSpec()), self.param_shardings),
+            out_shardings=(NamedSharding(self.mesh, PartitionSpec()), self.grad_shardings),
             donate_argnums=(0,) if donate else ())
 
     def loss(self):

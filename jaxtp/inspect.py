@@ -37,14 +37,18 @@ class Report:
                 "analytic_flops_per_step": self.analytic_flops_per_step}
 
 
-def local_param_bytes(engine: Engine) -> int:
-    """Bytes of parameters one device holds, from the shardings (largest shard of each)."""
+def local_bytes(engine: Engine, shardings) -> int:
+    """Bytes one device holds of a parameter-shaped state in ``shardings`` (largest shard of
+    each tensor)."""
     total = 0
-    for v, s in zip(jax.tree.leaves(engine.abstract_params),
-                    jax.tree.leaves(engine.param_shardings)):
-        shard = s.shard_shape(v.shape)
-        total += math.prod(shard) * v.dtype.itemsize
+    for v, s in zip(jax.tree.leaves(engine.abstract_params), jax.tree.leaves(shardings)):
+        total += math.prod(s.shard_shape(v.shape)) * v.dtype.itemsize
     return total
+
+
+def local_param_bytes(engine: Engine) -> int:
+    """Bytes of parameters one device holds, from the shardings."""
+    return local_bytes(engine, engine.param_shardings)
 
 
 def analytic_flops(engine: Engine) -> float:
@@ -77,7 +81,7 @@ def report(engine: Engine, step: str = "grad") -> Report:
     params = local_param_bytes(engine)
     per_device = {
         "params": params,
-        "grads": params if step == "grad" else 0,
+        "grads": local_bytes(engine, engine.grad_shardings) if step == "grad" else 0,
         "arguments": int(mem.argument_size_in_bytes),
         "outputs": int(mem.output_size_in_bytes),
         "temporaries": int(mem.temp_size_in_bytes),

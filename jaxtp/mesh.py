@@ -125,15 +125,16 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     if train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={train.seq_len} exceeds model.max_seq_len="
                           f"{model.max_seq_len}")
+    if parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}: ZeRO stages are 0 (off), "
+                          f"1 (moments), 2 (+ gradients) and 3 (+ parameters)")
     not_yet = {
         "parallel.pipeline": degrees["pipeline"] != 1,
         "parallel.context": degrees["context"] != 1,
         "parallel.expert": degrees["expert"] != 1,
-        "parallel.fsdp": degrees["fsdp"] != 1,
         "parallel.sequence_parallel": parallel.sequence_parallel,
-        "parallel.zero_stage": parallel.zero_stage != 0,
     }
     missing = [k for k, on in not_yet.items() if on]
     if missing:
         raise ConfigError(f"{', '.join(missing)}: not supported in this version of jaxtp yet "
-                          f"(tensor and data parallelism are); set them to their defaults")
+                          f"(tensor, data, ZeRO and FSDP parallelism are); set them to their defaults")

@@ -63,12 +63,18 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
 
         def body(x, layer_params):
+            layer_params = ops.gather_layer(layer_params)  # ZeRO-3: this layer's weights, in time
             return nnx.merge(graphdef, layer_params)(x, rope, ops), None
 
         if remat == "full":
             body = jax.checkpoint(body)
         elif remat != "none":
             raise ValueError(f"remat={remat!r}: supported policies are 'none' and 'full'")
+        elif ops.gathers_layers:
+            # ZeRO-3 frees each gathered layer after use: save the matmul outputs (the
+            # activations), recompute the rest in backward, gathers included. (Saving "all but the
+            # gathered names" is not enough: ops on the weights, e.g. a layout copy, would be saved.)
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
         x, _ = jax.lax.scan(body, x, stacked)
         return self.final_norm(x)
 

@@ -11,6 +11,7 @@ embedding and loss); everything else is replicated over ``model``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -116,3 +117,99 @@ def constrain(x: jax.Array, names: Sequence[str | None], *, mesh: Mesh, rules: R
     if not context.empty and context.manual_axes:
         mesh = context
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, rules.spec(names)))
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO (Rajbhandari et al. 2019) as shardings. The `fsdp` axis always shards parameters, gradients
+# and moments (ZeRO-3 inside a group); `parallel.zero_stage` says how much of the state the `data`
+# axis shards as well: 1 the Adam moments, 2 also the gradients, 3 also the parameters. With
+# fsdp > 1 and data > 1 at stage < 3 this is hybrid sharding: shard inside a group, replicate across.
+# Sharded axes run fsdp-major, so every state's spec extends the parameter's (a parameter shard over
+# `fsdp` reduce-scatters over `data` into exactly the moment shard).
+ZERO_AXES = ("fsdp", "data")
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    """The mesh axes (size > 1 only) that shard each kind of training state."""
+
+    params: tuple[str, ...]
+    grads: tuple[str, ...]
+    moments: tuple[str, ...]
+    sizes: tuple[tuple[str, int], ...]
+
+    def size(self, axes: Sequence[str]) -> int:
+        return math.prod(dict(self.sizes)[a] for a in axes)
+
+
+def zero_layout(parallel: ParallelConfig, degrees: Mapping[str, int]) -> ZeroLayout:
+    stage = parallel.zero_stage
+    fsdp = ("fsdp",) if degrees["fsdp"] > 1 else ()
+    data = ("data",) if degrees["data"] > 1 else ()
+    return ZeroLayout(params=fsdp + (data if stage >= 3 else ()),
+                      grads=fsdp + (data if stage >= 2 else ()),
+                      moments=fsdp + (data if stage >= 1 else ()),
+                      sizes=tuple((a, int(degrees[a])) for a in ZERO_AXES))
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def zero_dim(names: Sequence[str | None], shape: Sequence[int], spec: PartitionSpec,
+             n: int) -> int | None:
+    """The dim ZeRO splits ``n`` ways: ``embed`` if it divides, else the largest dim that is not
+    already sharded, not ``layers`` (each layer is gathered inside the scan) and divisible by ``n``.
+    ``None``: nothing divides, the tensor stays replicated (the placement report shows it)."""
+    if n == 1:
+        return None
+    free = [i for i, (name, size) in enumerate(zip(names, shape))
+            if name != "layers" and not _as_tuple(spec[i] if i < len(spec) else None)
+            and size % n == 0]
+    for i in free:
+        if names[i] == "embed":
+            return i
+    return max(free, key=lambda i: shape[i], default=None)
+
+
+def zero_specs(state: nnx.State, tp_specs: nnx.State, axes: Sequence[str],
+               layout: ZeroLayout) -> nnx.State:
+    """Per-parameter specs with the ZeRO ``axes`` added to the tensor-parallel ``tp_specs``.
+
+    The dim is chosen once per tensor for the widest split (the moments'), so the parameter,
+    gradient and moment shards of a tensor always nest.
+    """
+    widest = layout.size(layout.moments)
+
+    def one(v, spec):
+        names = v.get_metadata()["names"]
+        dims = list(spec) + [None] * (len(v.shape) - len(spec))
+        i = zero_dim(names, v.shape, PartitionSpec(*dims), widest)
+        if i is not None and axes:
+            dims[i] = tuple(axes) if len(axes) > 1 else axes[0]
+        return PartitionSpec(*dims)
+    return jax.tree.map(one, state, tp_specs, is_leaf=_is_variable)
+
+
+def zero_axes_of(spec: PartitionSpec) -> tuple[int | None, tuple[str, ...]]:
+    """(dim, axes) of the ZeRO axes in ``spec``; ``(None, ())`` when it has none."""
+    for i, entry in enumerate(spec):
+        axes = tuple(a for a in _as_tuple(entry) if a in ZERO_AXES)
+        if axes:
+            return i, axes
+    return None, ()
+
+
+def restrict(spec: PartitionSpec, keep: Sequence[str]) -> PartitionSpec:
+    """``spec`` naming only the mesh axes in ``keep`` (a ``shard_map`` spec over those axes)."""
+    return without_axes(spec, [a for e in spec for a in _as_tuple(e) if a not in keep])
+
+
+def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
+    """``spec`` with ``axes`` removed: the gathered layout of a ZeRO-3 shard."""
+    def drop(entry):
+        kept = tuple(a for a in _as_tuple(entry) if a not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return PartitionSpec(*(drop(e) for e in spec))

@@ -86,10 +86,11 @@ class Trainer:
         return TrainState(params, opt_state, jax.device_put(jnp.int32(0), self._replicated))
 
     def opt_shardings(self):
-        """Adam moments sharded like their parameters; counters replicated."""
+        """Adam moments in the engine's moment shardings (ZeRO >= 1 splits them over ``data``);
+        counters replicated."""
         abstract = jax.eval_shape(self.tx.init, self.engine.abstract_params)
         return optax.tree_map_params(
-            self.tx, lambda _, sharding: sharding, abstract, self.engine.param_shardings,
+            self.tx, lambda _, sharding: sharding, abstract, self.engine.moment_shardings,
             transform_non_params=lambda _: self._replicated,
             is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -112,10 +113,15 @@ class Trainer:
         """The jitted ``(state, batch) -> (state, metrics)``, state donated."""
         value_and_grad = self.engine.value_and_grad_fn()
         tx = self.tx
+        moments = self.engine.moment_shardings
 
         def step(state: TrainState, batch):
             loss, grads = value_and_grad(state.params, batch)
+            # ZeRO >= 1: each data rank updates only its moment shard (a local slice of the
+            # gradient, no communication); the new parameters are all-gathered where stage < 3.
+            grads = jax.lax.with_sharding_constraint(grads, moments)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            updates = jax.lax.with_sharding_constraint(updates, moments)
             params = optax.apply_updates(state.params, updates)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
             return TrainState(params, opt_state, state.step + 1), metrics
