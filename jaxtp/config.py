@@ -16,7 +16,7 @@ from typing import Callable, Literal
 
 Mode = Literal["gspmd", "explicit"]
 Activation = Literal["swiglu", "gelu"]
-Remat = Literal["none", "full"]
+Remat = Literal["none", "full", "selective", "dots_saveable"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 

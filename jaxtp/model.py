@@ -66,15 +66,7 @@ class Transformer(nnx.Module):
             layer_params = ops.gather_layer(layer_params)  # ZeRO-3: this layer's weights, in time
             return nnx.merge(graphdef, layer_params)(x, rope, ops), None
 
-        if remat == "full":
-            body = jax.checkpoint(body)
-        elif remat != "none":
-            raise ValueError(f"remat={remat!r}: supported policies are 'none' and 'full'")
-        elif ops.gathers_layers:
-            # ZeRO-3 frees each gathered layer after use: save the matmul outputs (the
-            # activations), recompute the rest in backward, gathers included. (Saving "all but the
-            # gathered names" is not enough: ops on the weights, e.g. a layout copy, would be saved.)
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_saveable)
+        body = _remat(body, remat, ops.gathers_layers)
         x, _ = jax.lax.scan(body, x, stacked)
         return self.final_norm(x)
 
@@ -87,3 +79,33 @@ class Transformer(nnx.Module):
         logits = self.logits(self.hidden(tokens, positions, ops, remat=remat), ops)
         return vocab_parallel_cross_entropy(logits, targets, vocab_size=self.cfg.vocab_size,
                                             ops=ops)
+
+
+# What each ``parallel.remat`` policy saves of a layer for the backward pass (the scan body's
+# residuals); everything else is recomputed there from the layer's input.
+REMAT_POLICIES = {
+    # everything (no recompute)
+    "none": None,
+    # only the layer's input x: the whole layer runs twice (Chen et al. 2016)
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # the outputs of the linear layers (matmuls without batch dims); recompute attention's score
+    # and softmax path (QK^T, softmax, PV: batched dots), norms and activations -- Korthikanti
+    # et al.'s selective recompute: the s^2 terms are never saved
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # every matmul output, attention's included; recompute only elementwise work
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+}
+
+
+def _remat(body, remat: str, gathers_layers: bool):
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}: supported policies are {sorted(REMAT_POLICIES)}")
+    policy = REMAT_POLICIES[remat]
+    if policy is None and gathers_layers:
+        # ZeRO-3 frees each gathered layer after use: save the matmul outputs (the activations),
+        # recompute the rest in backward, gathers included. (Saving "all but the gathered names"
+        # is not enough: ops on the weights, e.g. a layout copy, would be saved.) Every other
+        # policy already leaves the gathered weights (all-gather outputs) unsaved.
+        policy = jax.checkpoint_policies.dots_saveable
+    return body if policy is None else jax.checkpoint(body, policy=policy)
+
