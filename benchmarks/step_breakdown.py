@@ -1,0 +1,223 @@
+"""Where a jaxtp step's time goes on the simulated CPU mesh, next to the plain baseline.
+
+For the baseline and a few jaxtp layouts it times, interleaved round-robin, the forward loss, the
+loss and gradients, and the full train step (the optimizer's share is the difference), and counts
+the ops of the compiled full step (dots, fusions, copies, transposes, collectives, and whether the
+donated state is aliased to the output). A second table measures the matmul ceiling of the
+simulation: the same FLOPs as one big single-device matmul, split into the per-device matmuls a
+layout runs (8 devices sharing the host's cores).
+
+    python benchmarks/step_breakdown.py [--shape gpt2-small-ish] [--repeats 3] [--hlo-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+common.force_cpu_devices(8)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import baseline  # noqa: E402
+from throughput import baseline_shape  # noqa: E402
+from jaxtp import config as config_lib  # noqa: E402
+from jaxtp.train import Trainer  # noqa: E402
+
+VARIANTS = {
+    "data=2 x model=4": ("parallel.data=2", "parallel.model=4"),
+    "data=2 x model=4, explicit": ("parallel.data=2", "parallel.model=4", "parallel.mode=explicit"),
+    "model=8": ("parallel.data=1", "parallel.model=8"),
+    "model=8, explicit": ("parallel.data=1", "parallel.model=8", "parallel.mode=explicit"),
+    "data=8": ("parallel.data=8",),
+}
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(", re.M)
+COUNTED = ("dot", "fusion", "copy", "transpose", "all-reduce", "all-reduce-start", "all-gather",
+           "reduce-scatter", "all-to-all", "collective-permute", "while", "custom-call")
+
+
+def op_counts(hlo: str) -> dict:
+    """Static op counts of the optimized module (loop bodies counted once)."""
+    c = collections.Counter(_OP.findall(hlo))
+    out = {k: c.get(k, 0) for k in COUNTED}
+    out["aliased"] = "input_output_alias" in hlo
+    return out
+
+
+def timeit(fn, *args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - t0
+
+
+def run_breakdown(args) -> list[dict]:
+    preset, shape_overrides, desc = common.SHAPES[args.shape]
+    print(f"shape: {desc}", flush=True)
+    base_cfg = config_lib.load(preset, list(shape_overrides) + ["train.steps=1000"])
+    t = base_cfg.train
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, base_cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), np.int32)
+    np_batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+
+    entries = []  # (name, {component: callable returning something to block on}, hlo)
+    shape = baseline_shape(base_cfg.model)
+    tx = baseline.optimizer(lr=t.lr, warmup=t.warmup_steps, steps=t.steps)
+    dev0 = jax.devices()[0]
+    b_batch = jax.device_put({k: jnp.asarray(v) for k, v in np_batch.items()}, dev0)
+    b_holder = {"state": baseline.init_state(shape, tx, device=dev0)}
+    b_step = baseline.make_train_step(shape, tx)
+    b_loss = jax.jit(partial(baseline.loss_fn, shape))
+    b_grad = jax.jit(jax.value_and_grad(partial(baseline.loss_fn, shape)))
+
+    def b_full():
+        b_holder["state"], m = b_step(b_holder["state"], b_batch)
+        return b_holder["state"], m
+
+    b_hlo = b_step.lower(b_holder["state"], b_batch).compile().as_text()
+    entries.append(("baseline (1 device)", {
+        "fwd": lambda: b_loss(b_holder["state"]["params"], b_batch),
+        "fwd+bwd": lambda: b_grad(b_holder["state"]["params"], b_batch),
+        "step": b_full}, b_hlo))
+
+    errors = []
+    for name in args.variants:
+        cfg = config_lib.load(preset, list(shape_overrides) + ["train.steps=1000",
+                                                               *VARIANTS[name]])
+        try:
+            tr = Trainer(cfg)
+            holder = {"state": tr.init_state()}
+            step = tr.step_fn(holder["state"])
+            batch = tr.put_batch(np_batch)
+            loss, grad = tr.engine.loss(), tr.engine.loss_and_grad()
+            hlo = step.lower(holder["state"], batch).compile().as_text()
+            grad.lower(holder["state"].params, batch).compile()
+        except Exception as e:  # noqa: BLE001 - a layout the current jaxtp cannot compile
+            text = str(e).strip().splitlines()
+            errors.append((f"jaxtp {name}", f"{type(e).__name__}: {text[0][:160] if text else ''}"))
+            print(f"{name}: ERROR {errors[-1][1]}", flush=True)
+            continue
+        if args.hlo_dir:
+            Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+            fname = re.sub(r"[^\w]+", "_", name) + ".step.hlo.txt"
+            (Path(args.hlo_dir) / fname).write_text(hlo)
+
+        def full(step=step, holder=holder, batch=batch):
+            holder["state"], m = step(holder["state"], batch)
+            return holder["state"], m
+
+        entries.append((f"jaxtp {name}", {
+            "fwd": lambda loss=loss, holder=holder, batch=batch: loss(holder["state"].params,
+                                                                       batch),
+            "fwd+bwd": lambda grad=grad, holder=holder, batch=batch: grad(holder["state"].params,
+                                                                           batch),
+            "step": full}, hlo))
+    if args.hlo_dir:
+        (Path(args.hlo_dir) / "baseline.step.hlo.txt").write_text(b_hlo)
+
+    times = collections.defaultdict(list)
+    for r in range(args.repeats + 1):  # round 0 compiles and warms up
+        for name, fns, _ in entries:
+            for comp, fn in fns.items():
+                dt = timeit(fn)
+                if r:
+                    times[(name, comp)].append(dt)
+        print(f"round {r} done", flush=True)
+    rows = []
+    for name, _, hlo in entries:
+        med = {c: statistics.median(times[(name, c)]) for c in ("fwd", "fwd+bwd", "step")}
+        rows.append({"name": name, **med, "optimizer": med["step"] - med["fwd+bwd"],
+                     "bwd": med["fwd+bwd"] - med["fwd"], "ops": op_counts(hlo)})
+    return rows + [{"name": n, "error": e} for n, e in errors]
+
+
+def matmul_ceiling(repeats: int) -> list[dict]:
+    """GFLOP/s of one [M,K]x[K,N] matmul on one device vs the same FLOPs as 8 per-device matmuls."""
+    devs = np.array(jax.devices())
+    mesh = Mesh(devs, ("d",))
+    shard = NamedSharding(mesh, PartitionSpec("d"))
+    cases = [  # (label, single-device M,K,N, per-device m,k,n) -- all with 8x(mkn) == MKN
+        ("MLP up, d2 x m4", (512, 768, 3072), (256, 768, 768)),
+        ("MLP up, model=8", (512, 768, 3072), (512, 768, 384)),
+        ("MLP up, data=8", (512, 768, 3072), (64, 768, 3072)),
+        ("head, d2 x m4 (vocab/4)", (512, 768, 50688), (256, 768, 12672)),
+    ]
+    rows = []
+    for label, (M, K, N), (m, k, n) in cases:
+        assert 8 * m * k * n == M * K * N
+        a = jax.device_put(jnp.ones((M, K), jnp.float32), devs[0])
+        b = jax.device_put(jnp.ones((K, N), jnp.float32), devs[0])
+        one = jax.jit(lambda x, y: x @ y)
+        xa = jax.device_put(jnp.ones((8, m, k), jnp.float32), shard)
+        xb = jax.device_put(jnp.ones((8, k, n), jnp.float32), shard)
+        many = jax.jit(lambda x, y: jnp.einsum("bmk,bkn->bmn", x, y), out_shardings=shard)
+        timeit(one, a, b), timeit(many, xa, xb)
+        t1 = min(timeit(one, a, b) for _ in range(repeats))
+        t8 = min(timeit(many, xa, xb) for _ in range(repeats))
+        flops = 2.0 * M * K * N
+        rows.append({"case": label, "single": f"{M}x{K}x{N}", "per_device": f"8 x {m}x{k}x{n}",
+                     "single_gflops": flops / t1 / 1e9, "split_gflops": flops / t8 / 1e9})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(common.SHAPES), default="gpt2-small-ish")
+    p.add_argument("--variants", nargs="*", default=["data=2 x model=4",
+                                                     "data=2 x model=4, explicit", "model=8",
+                                                     "model=8, explicit"],
+                   choices=sorted(VARIANTS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--hlo-dir", default=None, help="write each compiled full step's HLO here")
+    p.add_argument("--out", default=str(common.RESULTS))
+    args = p.parse_args()
+    rows = run_breakdown(args)
+    mm = matmul_ceiling(5)
+    lines = ["# Step breakdown on the simulated 8-device CPU mesh", "",
+             f"- shape: {common.SHAPES[args.shape][2]}",
+             f"- machine: {common.machine()}; code: {common.git_state()}; "
+             f"{time.strftime('%Y-%m-%d %H:%M %Z')}",
+             f"- medians of {args.repeats} interleaved rounds; bwd = (fwd+bwd) - fwd, "
+             "optimizer = step - (fwd+bwd)", "",
+             "| | fwd (ms) | bwd (ms) | optimizer (ms) | full step (ms) | dot | fusion | copy | "
+             "transpose | all-reduce | all-gather | reduce-scatter | all-to-all | "
+             "coll.-permute | state aliased |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error: {r['error']} |" + " |" * 13)
+            continue
+        o = r["ops"]
+        lines.append(
+            f"| {r['name']} | {1e3 * r['fwd']:.0f} | {1e3 * r['bwd']:.0f} | "
+            f"{1e3 * r['optimizer']:.0f} | {1e3 * r['step']:.0f} | {o['dot']} | {o['fusion']} | "
+            f"{o['copy']} | {o['transpose']} | {o['all-reduce'] + o['all-reduce-start']} | "
+            f"{o['all-gather']} | {o['reduce-scatter']} | {o['all-to-all']} | "
+            f"{o['collective-permute']} | {o['aliased']} |")
+    lines += ["", "(op counts are static: a loop body's ops are counted once)", "",
+              "## Matmul ceiling of the simulation (fp32, same FLOPs)", "",
+              "| case | one device | split over 8 devices | one device GFLOP/s | "
+              "8 devices GFLOP/s |", "|---|---|---|---:|---:|"]
+    for r in mm:
+        lines.append(f"| {r['case']} | {r['single']} | {r['per_device']} | "
+                     f"{r['single_gflops']:.1f} | {r['split_gflops']:.1f} |")
+    text = "\n".join(lines) + "\n"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_breakdown.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
