@@ -1,0 +1,196 @@
+"""Pipeline schedules as data: which device runs which micro-batch's forward or backward at each tick.
+
+A schedule is built in two steps. ``device_orders`` writes down, per pipeline device, the order
+in which it runs its forward (``F``) and backward (``B``) passes: the part that distinguishes
+GPipe (Huang et al. 2019: all forwards, then all backwards), 1F1B (Narayanan et al. 2019,
+PipeDream-Flush: ``p - s - 1`` warm-up forwards on stage ``s``, then one forward / one backward,
+then the cool-down backwards) and interleaved 1F1B (Narayanan et al. 2021: each device holds
+``v`` model chunks, stage ``k`` of ``p * v`` living on device ``k % p``). ``simulate`` then runs
+those orders against the data dependencies — ``F(k, i)`` needs ``F(k - 1, i)``, ``B(k, i)`` needs
+``B(k + 1, i)`` and ``F(k, i)`` — one pass per device per tick, every pass one tick long, a result
+usable on the next tick. The result is the table the runtime executes and that tests and plots
+read: the bubble, the tick count and the activations in flight are measured from it, not assumed.
+
+With every pass one tick, GPipe and 1F1B take ``2 (m + p - 1)`` ticks for ``m`` micro-batches on
+``p`` stages (bubble fraction ``(p - 1) / (m + p - 1)``), interleaving ``2 (v m + p - 1)`` ticks of
+``1/v``-sized passes (bubble ``(p - 1) / (v m + p - 1)``). 1F1B keeps at most ``p - s``
+micro-batches of activations in flight on stage ``s``, GPipe all ``m``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run with the given stages / micro-batches / virtual stages."""
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward or backward pass of one micro-batch through one model stage."""
+
+    kind: str        # "F" or "B"
+    stage: int       # model stage, 0 .. p * v - 1
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """A row of the schedule table: ``device`` runs ``kind`` of ``microbatch`` on its ``chunk``."""
+
+    tick: int
+    device: int      # pipeline rank
+    chunk: int       # virtual stage on this device (0 unless interleaved)
+    stage: int       # model stage = chunk * p + device
+    microbatch: int
+    kind: str        # "F" or "B"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    p: int
+    m: int
+    v: int
+    table: tuple[Tick, ...]
+
+    @property
+    def ticks(self) -> int:
+        return 1 + max(t.tick for t in self.table)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle device-ticks over all device-ticks, from the table."""
+        return 1.0 - len(self.table) / (self.ticks * self.p)
+
+    def in_flight(self, device: int) -> int:
+        """Most micro-batch chunks whose forward ran on ``device`` and whose backward did not yet:
+        the activations the device must hold at its peak."""
+        live = peak = 0
+        for t in sorted((t for t in self.table if t.device == device), key=lambda t: t.tick):
+            live += 1 if t.kind == "F" else -1
+            peak = max(peak, live)
+        return peak
+
+    def grid(self) -> list[list[str]]:
+        """``[device][tick]`` labels (``F3``, ``B0``, ``.`` idle; interleaved adds the chunk,
+        ``F3.1``), for printing and plots."""
+        rows = [["."] * self.ticks for _ in range(self.p)]
+        for t in self.table:
+            label = f"{t.kind}{t.microbatch}" + (f".{t.chunk}" if self.v > 1 else "")
+            rows[t.device][t.tick] = label
+        return rows
+
+
+def textbook_bubble(p: int, m: int, v: int = 1) -> float:
+    """Narayanan et al. 2021: bubble time / ideal time = (p - 1) / (v m); as a fraction of the
+    whole step, (p - 1) / (v m + p - 1)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def check(name: str, p: int, m: int, v: int = 1) -> None:
+    """Raise ScheduleError for a combination the schedule cannot run."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"pipeline_schedule={name!r}: expected one of {', '.join(SCHEDULES)}")
+    if p < 1 or m < 1 or v < 1:
+        raise ScheduleError(f"pipeline={p}, microbatches={m}, virtual_stages={v}: must be >= 1")
+    if name != "interleaved" and v != 1:
+        raise ScheduleError(f"virtual_stages={v} needs pipeline_schedule=interleaved (got {name})")
+    if name == "interleaved" and m % p:
+        raise ScheduleError(f"interleaved schedule: microbatches={m} must be a multiple of "
+                            f"pipeline={p} (micro-batches go through the chunks in groups of p)")
+
+
+def device_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Pass]]:
+    """Per device, the order in which it runs its passes."""
+    check(name, p, m, v)
+    if name == "gpipe":
+        return [[Pass("F", s, i) for i in range(m)] + [Pass("B", s, i) for i in range(m)]
+                for s in range(p)]
+    if name == "1f1b":
+        orders = []
+        for s in range(p):
+            warm = min(p - s - 1, m)
+            order = [Pass("F", s, i) for i in range(warm)]
+            for j in range(m - warm):
+                order += [Pass("F", s, warm + j), Pass("B", s, j)]
+            order += [Pass("B", s, j) for j in range(m - warm, m)]
+            orders.append(order)
+        return orders
+    # interleaved: the device's n = m * v forward units go micro-batch group by group (p at a
+    # time), chunk 0 .. v-1 within a group; backward units the same with the chunks reversed.
+    orders = []
+    n = m * v
+
+    def unit(k: int, backward: bool) -> tuple[int, int]:  # k-th unit -> (chunk, micro-batch)
+        group, r = divmod(k, p * v)
+        chunk, i = divmod(r, p)
+        return (v - 1 - chunk if backward else chunk), group * p + i
+
+    for d in range(p):
+        warm = min((p - d - 1) * 2 + (v - 1) * p, n)
+        order = []
+        for k in range(warm):
+            c, i = unit(k, False)
+            order.append(Pass("F", c * p + d, i))
+        for j in range(n - warm):
+            c, i = unit(warm + j, False)
+            order.append(Pass("F", c * p + d, i))
+            c, i = unit(j, True)
+            order.append(Pass("B", c * p + d, i))
+        for j in range(n - warm, n):
+            c, i = unit(j, True)
+            order.append(Pass("B", c * p + d, i))
+        orders.append(order)
+    return orders
+
+
+def simulate(name: str, orders: list[list[Pass]], p: int, m: int, v: int = 1) -> Schedule:
+    """Run per-device orders against the pipeline's dependencies, one pass per device per tick."""
+    n_stages = p * v
+    done: dict[Pass, int] = {}  # pass -> tick it ran
+    pos = [0] * p
+    table: list[Tick] = []
+    tick = 0
+    total = sum(len(o) for o in orders)
+    while len(table) < total:
+        ran = []
+        for d in range(p):
+            if pos[d] == len(orders[d]):
+                continue
+            op = orders[d][pos[d]]
+            if op.kind == "F":
+                deps = [Pass("F", op.stage - 1, op.microbatch)] if op.stage else []
+            else:
+                deps = [Pass("F", op.stage, op.microbatch)]
+                if op.stage < n_stages - 1:
+                    deps.append(Pass("B", op.stage + 1, op.microbatch))
+            if all(done.get(x, tick) < tick for x in deps):
+                ran.append((d, op))
+        if not ran:  # nothing new becomes ready later either: the orders deadlock
+            raise ScheduleError(f"{name}: the device orders deadlock at tick {tick}")
+        for d, op in ran:
+            done[op] = tick
+            pos[d] += 1
+            table.append(Tick(tick=tick, device=d, chunk=op.stage // p, stage=op.stage,
+                              microbatch=op.microbatch, kind=op.kind))
+        tick += 1
+    return Schedule(name=name, p=p, m=m, v=v, table=tuple(table))
+
+
+def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The schedule table for ``name`` on ``p`` pipeline devices, ``m`` micro-batches and ``v``
+    virtual stages per device."""
+    return simulate(name, device_orders(name, p, m, v), p, m, v)
+
+
+def format_grid(s: Schedule) -> str:
+    grid = s.grid()
+    width = max(len(c) for row in grid for c in row)
+    lines = [f"{s.name}: p={s.p} m={s.m} v={s.v}, {s.ticks} ticks, bubble "
+             f"{s.bubble_fraction:.3f} (textbook {textbook_bubble(s.p, s.m, s.v):.3f})"]
+    lines += [f"dev {d}: " + " ".join(c.rjust(width) for c in row) for d, row in enumerate(grid)]
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""Pipeline schedule tables (jaxtp/schedules.py): the textbook tick counts, bubbles and activation
+memory come out of simulating each schedule's per-device order against the data dependencies.
+Expected values are the papers' closed forms, not the code's own output."""
+
+import itertools
+
+import pytest
+
+from jaxtp import schedules
+from jaxtp.schedules import ScheduleError, build, textbook_bubble
+
+CASES = [(p, m) for p, m in itertools.product((2, 4, 8), (1, 2, 4, 8, 16))]
+
+
+def _valid(s):
+    """Every pass exactly once; each device runs at most one pass per tick; dependencies hold."""
+    n_stages = s.p * s.v
+    ran = {(t.kind, t.stage, t.microbatch): t for t in s.table}
+    assert len(ran) == len(s.table) == 2 * s.m * n_stages
+    assert len({(t.device, t.tick) for t in s.table}) == len(s.table)
+    for t in s.table:
+        assert t.device == t.stage % s.p and t.chunk == t.stage // s.p
+        if t.kind == "F" and t.stage:
+            assert ran[("F", t.stage - 1, t.microbatch)].tick < t.tick
+        if t.kind == "B":
+            assert ran[("F", t.stage, t.microbatch)].tick < t.tick
+            if t.stage < n_stages - 1:
+                assert ran[("B", t.stage + 1, t.microbatch)].tick < t.tick
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", CASES)
+def test_gpipe_and_1f1b_textbook(name, p, m):
+    s = build(name, p, m)
+    _valid(s)
+    assert s.ticks == 2 * (m + p - 1)
+    assert s.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert s.bubble_fraction == pytest.approx(textbook_bubble(p, m))
+    if name == "gpipe":  # every micro-batch's activations are held until the backward starts
+        assert [s.in_flight(d) for d in range(p)] == [m] * p
+    else:  # 1F1B: stage s holds at most p - s, independent of m
+        assert [s.in_flight(d) for d in range(p)] == [min(p - d, m) for d in range(p)]
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 2, 2), (2, 4, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2),
+                                     (4, 16, 4), (8, 8, 2), (8, 16, 3)])
+def test_interleaved_textbook(p, m, v):
+    s = build("interleaved", p, m, v)
+    _valid(s)
+    # passes are 1/v of a stage: the bubble shrinks by v (Narayanan et al. 2021, sec. 2.2)
+    assert s.ticks == 2 * (v * m + p - 1)
+    assert s.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    assert s.bubble_fraction < build("1f1b", p, m).bubble_fraction
+    # activation memory on the first device, in chunks of 1/v of a stage: Megatron-LM's warm-up
+    # of 2 (p - 1) + (v - 1) p forwards plus the steady state's one, whatever m (all m v chunks
+    # when m is too small to reach the steady state)
+    assert s.in_flight(0) == min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+
+
+def test_1f1b_memory_flat_in_m_gpipe_grows():
+    gpipe = [build("gpipe", 4, m).in_flight(0) for m in (4, 8, 16)]
+    onef = [build("1f1b", 4, m).in_flight(0) for m in (4, 8, 16)]
+    assert gpipe == [4, 8, 16] and onef == [4, 4, 4]
+
+
+def test_grid_labels():
+    g = build("1f1b", 2, 2).grid()
+    assert g == [["F0", "F1", ".", "B0", ".", "B1"], [".", "F0", "B0", "F1", "B1", "."]]
+
+
+@pytest.mark.parametrize("args, match", [
+    (("interleaved", 4, 6, 2), "multiple of pipeline=4"),
+    (("interleaved", 4, 2, 2), "multiple of pipeline=4"),  # m < p
+    (("1f1b", 4, 8, 2), "virtual_stages=2 needs pipeline_schedule=interleaved"),
+    (("zigzag", 4, 8, 1), "expected one of"),
+    (("gpipe", 0, 8, 1), "must be >= 1"),
+])
+def test_errors(args, match):
+    with pytest.raises(ScheduleError, match=match):
+        build(*args)
+
+
+def test_a_deadlocking_order_is_reported():
+    orders = schedules.device_orders("gpipe", 2, 2)
+    orders[1] = orders[1][::-1]  # backward before its forward
+    with pytest.raises(ScheduleError, match="deadlock"):
+        schedules.simulate("gpipe", orders, 2, 2)
