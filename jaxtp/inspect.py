@@ -29,11 +29,13 @@ class Report:
     analytic_flops_per_step: float
     ops: list[hlo.CollectiveOp]
     hlo_text: str
+    param_table: tuple[dict, ...] = ()
 
     def to_json(self) -> dict:
         return {"mesh": self.mesh, "per_device_bytes": self.per_device_bytes,
                 "collectives": self.collectives, "flops_per_step": self.flops_per_step,
                 "flops_per_device": self.flops_per_device,
+                "param_table": list(self.param_table),
                 "analytic_flops_per_step": self.analytic_flops_per_step}
 
 
@@ -49,6 +51,42 @@ def local_bytes(engine: Engine, shardings) -> int:
 def local_param_bytes(engine: Engine) -> int:
     """Bytes of parameters one device holds, from the shardings."""
     return local_bytes(engine, engine.param_shardings)
+
+
+FLAG_FRACTION = 0.01  # a tensor wasting more than this share of a device's parameter bytes
+
+
+def _path(keys) -> str:
+    parts = (str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keys)
+    return ".".join(x for x in parts if x not in ("", "value"))
+
+
+def param_table(engine: Engine, specs=None) -> list[dict]:
+    """Per parameter: its sharding, the bytes one device holds and the ideal (its total bytes over
+    the devices that hold parameter shards at all: the mesh axes some parameter is split over),
+    sorted by waste (held - ideal). ``flagged`` marks a tensor whose waste exceeds
+    ``FLAG_FRACTION`` of the device's parameter bytes: replicated where it could be split.
+    ``specs`` (default: the engine's parameter specs) lets a caller check another layout."""
+    specs = engine.param_specs if specs is None else specs
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    leaves = jax.tree_util.tree_flatten_with_path(engine.abstract_params)[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    shape = mesh_shape(engine.mesh)
+    split_axes = {a for sp in spec_leaves for entry in sp if entry is not None
+                  for a in ((entry,) if isinstance(entry, str) else entry)}
+    split_devices = math.prod(shape[a] for a in split_axes)
+    rows = []
+    for (keys, a), spec in zip(leaves, spec_leaves):
+        sharding = jax.sharding.NamedSharding(engine.mesh, spec)
+        held = math.prod(sharding.shard_shape(a.shape)) * a.dtype.itemsize
+        total = math.prod(a.shape) * a.dtype.itemsize
+        rows.append({"param": _path(keys), "shape": list(a.shape), "spec": str(spec),
+                     "bytes": held, "ideal_bytes": total / split_devices,
+                     "waste_bytes": held - total / split_devices})
+    device_bytes = sum(r["bytes"] for r in rows)
+    for r in rows:
+        r["flagged"] = r["waste_bytes"] > FLAG_FRACTION * device_bytes
+    return sorted(rows, key=lambda r: -r["waste_bytes"])
 
 
 def analytic_flops(engine: Engine) -> float:
@@ -96,7 +134,8 @@ def report(engine: Engine, step: str = "grad") -> Report:
     analytic = analytic_flops(engine) / (3.0 if step == "loss" else 1.0)
     return Report(mesh=shape, per_device_bytes=per_device, collectives=hlo.census(ops),
                   flops_per_step=flops_device * n_dev, flops_per_device=flops_device,
-                  analytic_flops_per_step=analytic, ops=ops, hlo_text=text)
+                  analytic_flops_per_step=analytic, ops=ops, hlo_text=text,
+                  param_table=tuple(param_table(engine)))
 
 
 def _human(n: float) -> str:
@@ -123,6 +162,15 @@ def format_report(r: Report, title: str = "") -> str:
                      f"{_human(c['bytes']):>14}")
     if not r.collectives:
         lines.append("  (none)")
+    if r.param_table:
+        lines += ["", "parameters by waste (held per device - total / devices holding shards)",
+                  f"  {'param':<28} {'spec':<36} {'held':>11} {'ideal':>11}"]
+        for row in r.param_table[:8]:
+            flag = "  <- replicated, could be split" if row["flagged"] else ""
+            lines.append(f"  {row['param']:<28} {row['spec']:<36} {_human(row['bytes']):>11} "
+                         f"{_human(row['ideal_bytes']):>11}{flag}")
+        if len(r.param_table) > 8:
+            lines.append(f"  ... {len(r.param_table) - 8} more (--json has all)")
     lines += ["", f"FLOPs per step: {r.flops_per_step:.4g} compiled "
               f"({r.flops_per_device:.4g} per device); {r.analytic_flops_per_step:.4g} analytic "
               f"(6NT + attention, unpadded vocab)"]

@@ -116,3 +116,23 @@ def test_micro_batches_sync_gradients_once_per_step(mode):
     layer_ops = [op for op in r.ops if op.axes == ("model",) and op.executions == 2 * m]
     assert sum(op.tensors for op in layer_ops) == 4  # 2 fwd + 2 bwd per layer, per micro-batch
     assert all(op.bytes == (B // DATA // m) * S * H * 4 for op in layer_ops)
+
+
+def test_param_table_flags_a_mis_sharded_parameter():
+    """The placement report's sanity table: with the engine's own layout nothing sizeable is
+    flagged; replicate the MLP up-projection over `model` and it tops the table, flagged, holding
+    t times its ideal bytes."""
+    import jax
+
+    eng = engine.build(config.load("tiny", ["parallel.data=2", "parallel.model=4"]))
+    good = inspect.param_table(eng)
+    assert not [r for r in good if r["flagged"]]
+    w_up = next(r for r in good if r["param"] == "blocks.mlp.w_up")
+    assert w_up["bytes"] == w_up["ideal_bytes"] == 2 * 64 * 2 * 256 * 4 / 4
+    bad_specs = jax.tree_util.tree_map_with_path(
+        lambda path, s: jax.sharding.PartitionSpec() if "w_up" in jax.tree_util.keystr(path)
+        else s, eng.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    bad = inspect.param_table(eng, bad_specs)
+    assert bad[0]["param"] == "blocks.mlp.w_up" and bad[0]["flagged"]
+    assert bad[0]["bytes"] == 4 * bad[0]["ideal_bytes"]
+    assert [r["param"] for r in bad if r["flagged"]] == ["blocks.mlp.w_up"]
