@@ -12,11 +12,10 @@ reports tokens/s and MFU (analytic 6NT + attention FLOPs over the dense bf16 pea
 the next candidate. Master weights and Adam moments are fp32 (``model.param_dtype=float32``), the
 matmuls bf16 (``model.compute_dtype=bfloat16``).
 
-Attention: jaxtp calls ``jax.nn.dot_product_attention`` with no ``implementation``, which means
-XLA's unfused softmax(QK^T)V on every backend (the ``[B,N,S,S]`` scores are materialised). jaxtp
-has no config key for it yet, so this script, when ``--attention cudnn`` (or ``auto`` and a small
-cuDNN probe compiles), wraps ``jax.nn.dot_product_attention`` to pass ``implementation="cudnn"``
-(cuDNN flash attention) for the whole process. With ``--compare-attention`` and time left it also
+Attention: ``model.attention_impl`` picks ``jax.nn.dot_product_attention``'s implementation;
+``--attention cudnn`` (or ``auto`` when a small cuDNN probe compiles) runs with
+``model.attention_impl=cudnn`` (cuDNN flash attention), else ``xla`` (XLA's unfused
+softmax(QK^T)V, the ``[B,N,S,S]`` scores materialised). With ``--compare-attention`` and time left it also
 measures the other implementation at the chosen batch.
 
     python benchmarks/gpu_throughput.py [--config gpt3-1.3b] [--seq 2048] [--batches 16,8,4,2]
@@ -158,10 +157,6 @@ def main() -> int:
     # ---- attention implementation --------------------------------------------------------
     original_dpa = jax.nn.dot_product_attention
 
-    def use_attention(impl: str) -> None:
-        jax.nn.dot_product_attention = (original_dpa if impl == "xla" else
-                                        functools.partial(original_dpa, implementation=impl))
-
     def cudnn_works() -> tuple[bool, str]:
         try:
             q = jnp.ones((2, 256, 16, 128), jnp.bfloat16)
@@ -197,11 +192,11 @@ def main() -> int:
     def measure(impl: str, batch: int, remat: str) -> dict:
         rec = {"attention": impl, "batch": batch, "seq": args.seq, "remat": remat}
         result["runs"].append(rec)
-        use_attention(impl)
         state = compiled = None
         try:
             cfg = config_lib.load(args.config, base + [f"train.batch_size={batch}",
-                                                       f"parallel.remat={remat}"])
+                                                       f"parallel.remat={remat}",
+                                                       f"model.attention_impl={impl}"])
             trainer = Trainer(cfg)
             result.setdefault("model", f"{cfg.model.n_layers} layers, d={cfg.model.d_model}, "
                                        f"{cfg.model.n_heads} heads, d_ff={cfg.model.d_ff}, vocab "

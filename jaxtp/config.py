@@ -18,6 +18,7 @@ Mode = Literal["gspmd", "explicit"]
 Activation = Literal["swiglu", "gelu"]
 Remat = Literal["none", "full", "selective", "dots_saveable"]
 DType = Literal["float32", "bfloat16", "float16"]
+AttentionImpl = Literal["default", "xla", "cudnn"]
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,9 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: DType = "float32"
     compute_dtype: DType = "float32"
+    # jax.nn.dot_product_attention's implementation: "default" lets JAX choose (XLA's softmax(QK^T)V
+    # today), "cudnn" is cuDNN's fused flash attention (NVIDIA GPUs only).
+    attention_impl: AttentionImpl = "default"
 
     @property
     def resolved_head_dim(self) -> int:

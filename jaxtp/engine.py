@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtp import collectives
-from jaxtp.config import Config, validate_model
+from jaxtp.config import Config, ConfigError, validate_model
 from jaxtp.execution import ExplicitOps, GSPMDOps, LocalOps, gather_params
 from jaxtp.mesh import BATCH_AXES, build_mesh, validate
 from jaxtp.model import Transformer
@@ -304,6 +304,10 @@ def build(cfg: Config, devices=None) -> Engine:
     mesh = build_mesh(cfg.parallel, devices)
     degrees = {a: int(s) for a, s in mesh.shape.items()}
     validate(cfg.model, cfg.parallel, cfg.train, degrees)
+    platform = mesh.devices.flat[0].platform
+    if cfg.model.attention_impl == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention_impl=cudnn needs NVIDIA GPUs, but the mesh is on "
+                          f"{platform}; use model.attention_impl=default or xla")
     padded_vocab = cfg.model.padded_vocab_size(degrees["model"])
     abstract = nnx.eval_shape(
         lambda: Transformer(cfg.model, padded_vocab=padded_vocab, rngs=nnx.Rngs(0)))

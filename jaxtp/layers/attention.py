@@ -45,6 +45,8 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"),
                         std=out_std, dtype=dt, stack=stack)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+        # passed only when asked for, so that the default call is jax.nn's own default
+        self.attention_impl = None if cfg.attention_impl == "default" else cfg.attention_impl
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ops) -> jax.Array:
         cdt = self.compute_dtype
@@ -57,7 +59,13 @@ class Attention(nnx.Module):
         q = ops.constrain(apply_rope(q, *rope), "batch", "seq", "heads", "head_dim")
         k = ops.constrain(apply_rope(k, *rope), "batch", "seq", "kv_heads", "head_dim")
         v = ops.constrain(v, "batch", "seq", "kv_heads", "head_dim")
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)             # (B, S, N, H)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True,             # (B, S, N, H)
+                                         **_impl_kwargs(self.attention_impl))
         o = ops.constrain(o, "batch", "seq", "heads", "head_dim")
         out = jnp.einsum("bsnh,nhd->bsd", o, self.wo[...].astype(cdt))        # (B, S, D){U_model}
         return ops.reduce_from_model(out)                                     # g
+
+
+def _impl_kwargs(impl: str | None) -> dict:
+    return {} if impl is None else {"implementation": impl}
+
