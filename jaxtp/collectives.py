@@ -4,7 +4,9 @@ Megatron (Shoeybi et al. 2019, sec. 3, Fig. 3) needs two conjugate operators aro
 tensor-parallel block: ``f`` before the column-parallel linear and ``g`` after the row-parallel one.
 Under ``jax.shard_map`` with varying-axes checking, ``f`` is ``pcast(..., to='varying')`` (its
 transpose is an all-reduce) and ``g`` is ``psum`` (its transpose is a cast back), so no custom VJP
-is written here. Notation: ``{U_model}`` = unreduced (a partial sum) over the ``model`` axis;
+is written here. With sequence parallelism (Korthikanti et al. 2022) the pair becomes an all-gather
+along the sequence before the column-parallel linear and a reduce-scatter after the row-parallel
+one, again each the other's transpose. Notation: ``{U_model}`` = unreduced (a partial sum) over the ``model`` axis;
 ``{V_model}`` = varying (different on each rank) over ``model``.
 """
 
@@ -30,6 +32,26 @@ def reduce_from_model(x: jax.Array, axis: str = MODEL) -> jax.Array:
     ``[B,S,D]{U_model} -> [B,S,D]``: sums the row-parallel linear's partial products.
     """
     return jax.lax.psum(x, axis)
+
+
+def gather_sequence(x: jax.Array, axis: str = MODEL, dim: int = 1) -> jax.Array:
+    """Megatron-SP ``g-bar``, replacing ``f``. Forward: all-gather over ``axis`` along the sequence.
+    Backward: reduce-scatter (JAX's transpose of ``all_gather``).
+
+    ``[B,S/t,D]{V_model} -> [B,S,D]{V_model}``: the sequence-parallel block input, gathered for the
+    column-parallel linear (Korthikanti et al. 2022, sec. 4.2.2).
+    """
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def reduce_scatter_sequence(x: jax.Array, axis: str = MODEL, dim: int = 1) -> jax.Array:
+    """Megatron-SP ``g``, replacing the all-reduce. Forward: reduce-scatter over ``axis`` along the
+    sequence. Backward: all-gather.
+
+    ``[B,S,D]{U_model} -> [B,S/t,D]{V_model}``: the row-parallel linear's partial sums, summed and
+    left split along the sequence for the norm / residual region.
+    """
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
 
 
 def max_over_model(x: jax.Array, axis: str = MODEL) -> jax.Array:

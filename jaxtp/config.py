@@ -19,6 +19,7 @@ Activation = Literal["swiglu", "gelu"]
 Remat = Literal["none", "full", "selective", "dots_saveable"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["default", "xla", "cudnn"]
+ContextLayout = Literal["zigzag", "contiguous"]
 
 
 class ConfigError(ValueError):
@@ -84,7 +85,11 @@ class ParallelConfig:
     dcn_data: int = 1
     dcn_fsdp: int = 1
     mode: Mode = "gspmd"
+    # Megatron sequence parallelism on the `model` axis: norms and residuals split along the sequence
     sequence_parallel: bool = False
+    # How the sequence is laid out over `context` for ring attention: "zigzag" balances the causal
+    # work (device i holds chunks i and 2cp-1-i), "contiguous" does not (device i holds chunk i).
+    context_layout: ContextLayout = "zigzag"
     zero_stage: int = 0
     remat: Remat = "none"
 
@@ -193,6 +198,37 @@ def gpt3_175b() -> Config:
                           compute_dtype="bfloat16"),
         train=TrainConfig(batch_size=1536, seq_len=2048, lr=6e-5, warmup_steps=100),
     )
+
+
+# Narayanan et al. 2021 (arXiv 2104.04473), Table 1: GPT models of 1.7B to 1T parameters,
+# name -> (attention heads, hidden size, layers, batch size). Vocabulary 51,200, sequence 2,048,
+# d_ff = 4h, tied embeddings, GELU, bf16 compute (the paper: fp16 mixed precision).
+NARAYANAN_TABLE1: dict[str, tuple[int, int, int, int]] = {
+    "megatron-1.7b": (24, 2304, 24, 512),
+    "megatron-3.6b": (32, 3072, 30, 512),
+    "megatron-7.5b": (32, 4096, 36, 512),
+    "megatron-18b": (48, 6144, 40, 1024),
+    "megatron-39b": (64, 8192, 48, 1536),
+    "megatron-76b": (80, 10240, 60, 1792),
+    "megatron-145b": (96, 12288, 80, 2304),
+    "megatron-310b": (128, 16384, 96, 2160),
+    "megatron-530b": (128, 20480, 105, 2520),
+    "megatron-1t": (160, 25600, 128, 3072),
+}
+
+
+def _narayanan(heads: int, hidden: int, layers: int, batch: int) -> Config:
+    """A GPT model of Narayanan et al. 2021, Table 1 (jaxtp's architecture at those shapes)."""
+    return Config(
+        model=ModelConfig(vocab_size=51200, d_model=hidden, n_layers=layers, n_heads=heads,
+                          n_kv_heads=heads, d_ff=4 * hidden, max_seq_len=2048,
+                          tie_embeddings=True, activation="gelu", compute_dtype="bfloat16"),
+        train=TrainConfig(batch_size=batch, seq_len=2048, lr=1.5e-4, warmup_steps=100),
+    )
+
+
+for _name, _shape in NARAYANAN_TABLE1.items():
+    preset(_name)(lambda _shape=_shape: _narayanan(*_shape))
 
 
 def get_preset(name: str) -> Config:

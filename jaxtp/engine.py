@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtp import collectives
 from jaxtp.config import Config, ConfigError, validate_model
 from jaxtp.execution import ExplicitOps, GSPMDOps, LocalOps, gather_params
+from jaxtp.layers.ring_attention import positions_for_layout, to_layout
 from jaxtp.mesh import BATCH_AXES, build_mesh, validate
 from jaxtp.model import Transformer
 from jaxtp.sharding import (Rules, ZeroLayout, activation_rules, batch_spec, named, param_rules,
@@ -42,12 +43,18 @@ def _map_specs(fn, specs, *trees):
     return jax.tree.map(fn, specs, *trees, is_leaf=_is_spec)
 
 
+def _axes_of(spec: PartitionSpec) -> set[str]:
+    return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+
+
 def mark_data_parallel(params: nnx.State, specs: nnx.State,
                        axes: tuple[str, ...] = BATCH_AXES) -> nnx.State:
-    """Megatron-style ``f`` over the batch axes for every parameter a data rank does not shard:
-    its gradient becomes a local (varying) partial sum that :func:`sync_grads` reduces once."""
+    """Megatron-style ``f`` over the replica ``axes`` (the batch axes, ``context``, and ``model``
+    for the parameters sequence parallelism uses on sequence shards) for every parameter not
+    sharded over them: its gradient becomes a local (varying) partial sum that
+    :func:`sync_grads` reduces once per step."""
     def one(spec, var):
-        rest = tuple(a for a in axes if a not in zero_axes_of(spec)[1])
+        rest = tuple(a for a in axes if a not in _axes_of(spec))
         return var.replace(jax.lax.pcast(var[...], rest, to="varying")) if rest else var
     return _map_specs(one, specs, params)
 
@@ -55,9 +62,10 @@ def mark_data_parallel(params: nnx.State, specs: nnx.State,
 def sync_grads(grads: nnx.State, param_specs: nnx.State, grad_specs: nnx.State,
                axes: tuple[str, ...] = BATCH_AXES) -> nnx.State:
     """The one data-parallel gradient sync per step: all-reduce (ZeRO 0/1), reduce-scatter into
-    the gradient shard (ZeRO 2), nothing for ZeRO-3 shards (reduce-scattered by their gather)."""
+    the gradient shard (ZeRO 2), nothing for ZeRO-3 shards (reduce-scattered by their gather).
+    Parameters sharded over a replica axis (e.g. ``model`` for TP weights) skip that axis."""
     def one(pspec, gspec, g):
-        held = zero_axes_of(pspec)[1]
+        held = _axes_of(pspec)
         dim, gaxes = zero_axes_of(gspec)
         scatter = tuple(a for a in gaxes if a not in held)
         replicated = tuple(a for a in axes if a not in held)
@@ -70,7 +78,9 @@ def token_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, ops, *
     """Per-token next-token cross-entropy ``[B,S]`` of the model ``(graphdef, params)``."""
     model = nnx.merge(graphdef, params)
     inputs = batch["inputs"]
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    positions = batch.get("positions")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
     return model.token_losses(inputs, batch["targets"], positions, ops, remat=remat)
 
 
@@ -177,22 +187,54 @@ class Engine:
                                    sharding=self.batch_sharding)
         return params, {"inputs": tok, "targets": tok}
 
+    def _prepare(self, batch: Batch) -> Batch:
+        """Global-view batch -> what the model consumes: tokens in the ``context`` layout order and
+        their global positions (for RoPE). The per-token loss is a mean, so the order is free.
+        The permutation moves only the int32 token ids (XLA gathers them over ``context``, b x s
+        x 4 bytes once per step); the activations are born in the layout."""
+        p = self.cfg.parallel
+        inputs = batch["inputs"]
+        if self.degrees["context"] == 1:
+            positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
+        else:
+            cp = self.degrees["context"]
+            batch = {k: to_layout(v, cp, p.context_layout) for k, v in batch.items()}
+            positions = positions_for_layout(inputs.shape[1], cp, p.context_layout)
+        positions = jnp.broadcast_to(positions, inputs.shape)
+        return {**batch, "positions": jax.lax.with_sharding_constraint(positions,
+                                                                        self.batch_sharding)}
+
     # --------------------------------------------------------------------------------------
     def _ops(self, *, manual_batch: bool):
-        if self.cfg.parallel.mode == "explicit":
-            return ExplicitOps(self.layer_specs)
-        if manual_batch:  # the batch axes are manual inside the region; `model` stays with GSPMD
-            return GSPMDOps(self.mesh, self.activation_rules.replicating("batch"),
-                            self.layer_specs, manual_zero=True)
-        return GSPMDOps(self.mesh, self.activation_rules, self.layer_specs)
+        p = self.cfg.parallel
+        cp = dict(context=self.degrees["context"], context_layout=p.context_layout)
+        if p.mode == "explicit":
+            return ExplicitOps(self.layer_specs, sequence_parallel=p.sequence_parallel, **cp)
+        if manual_batch:  # batch axes and `context` manual inside the region; `model` with GSPMD
+            return GSPMDOps(self.mesh, self.activation_rules.without(*self._dp_axes),
+                            self.layer_specs, manual_zero=True, **cp)
+        return GSPMDOps(self.mesh, self.activation_rules, self.layer_specs, **cp)
+
+    @property
+    def _replica_axes(self) -> tuple[str, ...]:
+        """The manual axes over which a parameter is replicated but sees different data, so its
+        gradient is synced once per step: the token axes, and in explicit mode with SP also
+        ``model`` (norm scales see only their sequence shard, Korthikanti et al. sec. 4.2.2)."""
+        p = self.cfg.parallel
+        if p.mode == "explicit" and p.sequence_parallel:
+            return self._dp_axes + ("model",)
+        return self._dp_axes
 
     @property
     def _dp_axes(self) -> tuple[str, ...]:
-        """The batch axes manual in the per-device region: all of them in explicit mode; in GSPMD
-        mode those of size > 1 (none: the region is the whole program, no ``shard_map``)."""
+        """The token axes, manual in the per-device region: the per-device loss is summed over
+        them and the gradients of parameters replicated over them are synced. All of the batch
+        axes and ``context`` in explicit mode; in GSPMD mode those of size > 1 (none: the region
+        is the whole program, no ``shard_map``). Ring attention is written per device, so
+        ``context`` is manual whenever it is split."""
         if self.cfg.parallel.mode == "explicit":
-            return BATCH_AXES
-        return tuple(a for a in BATCH_AXES if self.degrees[a] > 1)
+            return BATCH_AXES + ("context",)
+        return tuple(a for a in BATCH_AXES + ("context",) if self.degrees[a] > 1)
 
     def _region_specs(self, specs: nnx.State) -> nnx.State:
         """``shard_map`` specs for a state: all axes in explicit mode, the batch axes otherwise."""
@@ -205,24 +247,26 @@ class Engine:
         axes in GSPMD mode (``model`` left to the partitioner)."""
         explicit = self.cfg.parallel.mode == "explicit"
         if not self._dp_axes:
-            return fn
+            return lambda params, batch: fn(params, self._prepare(batch))
         out = out_specs if param_out is None else (out_specs, self._region_specs(param_out))
-        return jax.shard_map(
-            fn, mesh=self.mesh,
-            in_specs=(self._region_specs(self.param_specs), restrict(self.batch_spec, self._dp_axes)),
+        batch = self.batch_spec if explicit else restrict(self.batch_spec, self._dp_axes)
+        mapped = jax.shard_map(
+            fn, mesh=self.mesh, in_specs=(self._region_specs(self.param_specs), batch),
             out_specs=out,
             axis_names=frozenset(self.mesh.axis_names if explicit else self._dp_axes))
+        return lambda params, batch: mapped(params, self._prepare(batch))
 
     def loss_fn(self) -> Callable[[nnx.State, Batch], jax.Array]:
         """Mean next-token loss over the global batch, in the configured execution mode."""
         cfg, graphdef = self.cfg, self.graphdef
         remat = cfg.parallel.remat
 
-        if cfg.parallel.mode == "gspmd":
+        if cfg.parallel.mode == "gspmd" and self.degrees["context"] == 1:
             ops = self._ops(manual_batch=False)
             outer = self._outer_specs(self.param_specs)
 
             def loss(params, batch):
+                batch = self._prepare(batch)
                 # a sharded embedding table is gathered before the lookup, not partitioned by it
                 params = ops.gather(params, outer)
                 return jnp.mean(token_losses(graphdef, params, batch, ops, remat=remat))
@@ -232,9 +276,10 @@ class Engine:
         ops = self._ops(manual_batch=True)
 
         def local_loss(params, batch):
-            params = self._gather_outer(mark_data_parallel(params, self.param_specs))
+            params = self._gather_outer(
+                mark_data_parallel(params, self.param_specs, self._replica_axes))
             per_token = token_losses(graphdef, params, batch, ops, remat=remat)
-            return jax.lax.psum(jnp.sum(per_token), BATCH_AXES) / n_tokens  # explicit: all manual
+            return jax.lax.psum(jnp.sum(per_token), self._dp_axes) / n_tokens
 
         return self._shard_map(local_loss, out_specs=PartitionSpec())
 
@@ -253,7 +298,7 @@ class Engine:
         cfg, graphdef = self.cfg, self.graphdef
         m = cfg.train.microbatches
         n_tokens = cfg.train.batch_size * cfg.train.seq_len
-        dp = self._dp_axes
+        dp, replicas = self._dp_axes, self._replica_axes
         ops = self._ops(manual_batch=bool(dp))
 
         def micro_loss(params, micro):
@@ -262,7 +307,7 @@ class Engine:
             return jnp.sum(losses) / n_tokens
 
         def local(params, batch):
-            params = mark_data_parallel(params, self.param_specs, dp)
+            params = mark_data_parallel(params, self.param_specs, replicas)
             if m == 1:
                 loss, grads = jax.value_and_grad(micro_loss)(params, batch)
             else:
@@ -281,7 +326,7 @@ class Engine:
                 (loss, grads), _ = jax.lax.scan(body, zero, micro)
             # the one gradient sync per step
             return (jax.lax.psum(loss, dp) if dp else loss,
-                    sync_grads(grads, self.param_specs, self.grad_specs, dp))
+                    sync_grads(grads, self.param_specs, self.grad_specs, replicas))
 
         return self._shard_map(local, out_specs=PartitionSpec(), param_out=self.grad_specs)
 

@@ -3,8 +3,11 @@
 The model is written once, in the global view, and calls five operators at the points where
 Megatron-LM's algebra puts communication: ``constrain`` at block boundaries, ``copy_to_model``
 (``f``) before a column-parallel linear, ``reduce_from_model`` (``g``) after a row-parallel one,
-and the vocab-parallel ``vocab_max`` / ``vocab_sum`` / ``vocab_start`` of the loss and embedding;
-``gather_layer`` is ZeRO-3's just-in-time gather of one layer's weights inside the layer scan.
+the vocab-parallel ``vocab_max`` / ``vocab_sum`` / ``vocab_start`` of the loss and embedding, and
+``attention`` (ring attention over ``context`` under context parallelism); ``gather_layer`` is ZeRO-3's just-in-time gather of one layer's weights inside the layer scan.
+
+With ``sequence_parallel`` the residual stream is split along the sequence over ``model`` and
+``f`` / ``g`` become an all-gather / a reduce-scatter (Korthikanti et al. 2022).
 
 - :class:`GSPMDOps`: ``f`` and ``g`` are sharding constraints; XLA's partitioner inserts the
   collectives that the parameter and activation tables imply.
@@ -25,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtp import collectives
+from jaxtp.layers.ring_attention import ring_attention
 from jaxtp.sharding import Rules, constrain, without_axes, zero_axes_of
 
 
@@ -66,6 +70,12 @@ _gspmd_gather.defvjp(_gspmd_gather_fwd, _gspmd_gather_bwd)
 
 class LocalOps:
     """Single device: every operator is the identity."""
+
+    def attention(self, q, k, v, implementation: str | None = None):
+        """Causal attention ``q [B,S,N,H], k, v [B,S,K,H] -> [B,S,N,H]`` (fused where the
+        backend has a kernel)."""
+        kwargs = {} if implementation is None else {"implementation": implementation}
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, **kwargs)
 
     def constrain(self, x, *names):
         return x
@@ -117,6 +127,14 @@ class GSPMDOps(LocalOps):
     rules: Rules
     layer_specs: object = None
     manual_zero: bool = False
+    context: int = 1  # ring attention over `context` when > 1
+    context_layout: str = "zigzag"
+
+    def attention(self, q, k, v, implementation=None):
+        if self.context == 1:
+            return super().attention(q, k, v, implementation)
+        # the engine makes `context` manual (with the batch axes) whenever it is split
+        return ring_attention(q, k, v, axis="context", causal=True, layout=self.context_layout)
 
     def gather_layer(self, layer_params):
         if self.layer_specs is None:
@@ -138,12 +156,14 @@ class GSPMDOps(LocalOps):
         return constrain(x, names, mesh=self.mesh, rules=self.rules)
 
     def copy_to_model(self, x):
-        # The column-parallel input is replicated over `model`; its cotangent gets all-reduced.
+        # The column-parallel input is replicated over `model` (gathered along the sequence under
+        # SP); its cotangent gets all-reduced (reduce-scattered).
         return self.constrain(x, "batch", "seq", "embed")
 
     def reduce_from_model(self, x):
-        # Pinning the row-parallel output replicated over `model` is what makes XLA all-reduce.
-        return self.constrain(x, "batch", "seq", "embed")
+        # Pinning the row-parallel output replicated over `model` is what makes XLA all-reduce;
+        # pinning it split along the sequence (SP) makes it reduce-scatter.
+        return self.constrain(x, "batch", "residual_seq", "embed")
 
 
 @dataclass(frozen=True)
@@ -151,6 +171,14 @@ class ExplicitOps(LocalOps):
     """Per-device view inside ``jax.shard_map``: the Megatron operators written out."""
 
     layer_specs: object = None
+    sequence_parallel: bool = False
+    context: int = 1
+    context_layout: str = "zigzag"
+
+    def attention(self, q, k, v, implementation=None):
+        if self.context == 1:
+            return super().attention(q, k, v, implementation)
+        return ring_attention(q, k, v, axis="context", causal=True, layout=self.context_layout)
 
     def gather_layer(self, layer_params):
         if self.layer_specs is None:
@@ -158,9 +186,13 @@ class ExplicitOps(LocalOps):
         return gather_params(layer_params, self.layer_specs)
 
     def copy_to_model(self, x):
+        if self.sequence_parallel:
+            return collectives.gather_sequence(x)
         return collectives.copy_to_model(x)
 
     def reduce_from_model(self, x):
+        if self.sequence_parallel:
+            return collectives.reduce_scatter_sequence(x)
         return collectives.reduce_from_model(x)
 
     def vocab_max(self, x):

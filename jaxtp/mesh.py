@@ -128,13 +128,37 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     if parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}: ZeRO stages are 0 (off), "
                           f"1 (moments), 2 (+ gradients) and 3 (+ parameters)")
+    _validate_sequence(parallel, train, degrees)
     not_yet = {
         "parallel.pipeline": degrees["pipeline"] != 1,
-        "parallel.context": degrees["context"] != 1,
         "parallel.expert": degrees["expert"] != 1,
-        "parallel.sequence_parallel": parallel.sequence_parallel,
     }
     missing = [k for k, on in not_yet.items() if on]
     if missing:
         raise ConfigError(f"{', '.join(missing)}: not supported in this version of jaxtp yet "
-                          f"(tensor, data, ZeRO and FSDP parallelism are); set them to their defaults")
+                          f"(tensor, sequence, context, data, ZeRO and FSDP parallelism are); "
+                          f"set them to their defaults")
+
+
+def _validate_sequence(parallel: ParallelConfig, train: TrainConfig,
+                       degrees: dict[str, int]) -> None:
+    """The sequence splits: ``context`` chunks (two per device for zig-zag), then ``model`` pieces
+    of each device's chunk under sequence parallelism."""
+    s, cp, t = train.seq_len, degrees["context"], degrees["model"]
+    if parallel.context_layout not in ("zigzag", "contiguous"):
+        raise ConfigError(f"parallel.context_layout={parallel.context_layout!r}: choose zigzag "
+                          f"or contiguous")
+    if cp > 1:
+        chunks = 2 * cp if parallel.context_layout == "zigzag" else cp
+        if s % chunks:
+            why = ("the zigzag layout cuts it into 2 x parallel.context chunks, two per device"
+                   if parallel.context_layout == "zigzag" else "it is cut into parallel.context "
+                                                                "chunks")
+            raise ConfigError(f"train.seq_len={s} is not divisible by {chunks}: {why} "
+                              f"(parallel.context={cp}); use a seq_len that is a multiple of "
+                              f"{chunks} or change parallel.context")
+    if parallel.sequence_parallel and (s // cp) % t:
+        where = f"each context shard's {s // cp} positions" if cp > 1 else f"train.seq_len={s}"
+        raise ConfigError(f"parallel.sequence_parallel splits {where} over parallel.model={t}, "
+                          f"which does not divide it; use a seq_len that is a multiple of "
+                          f"{cp * t}")

@@ -35,9 +35,9 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, rope, ops) -> jax.Array:  # [B,S,D] -> [B,S,D]
         x = x + self.attn(self.attn_norm(x), rope, ops)
-        x = ops.constrain(x, "batch", "seq", "embed")
+        x = ops.constrain(x, "batch", "residual_seq", "embed")
         x = x + self.mlp(self.mlp_norm(x), ops)
-        return ops.constrain(x, "batch", "seq", "embed")
+        return ops.constrain(x, "batch", "residual_seq", "embed")
 
 
 class Transformer(nnx.Module):
@@ -58,7 +58,7 @@ class Transformer(nnx.Module):
         """Final-norm hidden states ``[B,S,D]`` for ``tokens [B,S]``."""
         cfg = self.cfg
         x = self.embed(tokens, ops).astype(jnp.dtype(cfg.compute_dtype))       # (B, S, D)
-        x = ops.constrain(x, "batch", "seq", "embed")
+        x = ops.constrain(x, "batch", "residual_seq", "embed")
         rope = rope_tables(positions, cfg.resolved_head_dim, cfg.rope_theta)
         graphdef, stacked = nnx.split(self.blocks)
 

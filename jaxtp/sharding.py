@@ -1,6 +1,6 @@
 """Logical axis names -> mesh axes: one table for parameters, one for activations.
 
-The model speaks logical names only (``batch seq embed heads kv_heads head_dim mlp vocab experts
+The model speaks logical names only (``batch seq residual_seq embed heads kv_heads head_dim mlp vocab experts
 layers``); these tables are the one place that says which mesh axis splits each name, and this module
 is the only one that writes ``PartitionSpec``s. Tables are plain data passed explicitly (no
 thread-local rules), as MaxText's logical axis rules and Levanter's parameter / compute mappings are.
@@ -37,10 +37,13 @@ class Rules:
     def spec(self, names: Sequence[str | None]) -> PartitionSpec:
         return PartitionSpec(*(self[n] for n in names))
 
-    def replicating(self, *names: str) -> Rules:
-        """This table with ``names`` mapped to no mesh axis (e.g. ``batch`` inside a region where
-        the batch axes are manual, so a constraint must not name them)."""
-        return Rules(tuple((k, None if k in names else v) for k, v in self.table))
+    def without(self, *axes: str) -> Rules:
+        """This table with the mesh ``axes`` removed from every entry (e.g. inside a region where
+        the batch axes and ``context`` are manual, so a constraint must not name them)."""
+        def drop(v: MeshAxes) -> MeshAxes:
+            kept = tuple(a for a in _as_tuple(v) if a not in axes)
+            return None if not kept else kept[0] if len(kept) == 1 else kept
+        return Rules(tuple((k, drop(v)) for k, v in self.table))
 
 
 def _rules(mapping: Mapping[str, MeshAxes]) -> Rules:
@@ -62,11 +65,21 @@ def param_rules(parallel: ParallelConfig) -> Rules:
 
 
 def activation_rules(parallel: ParallelConfig) -> Rules:
-    """Where each activation dim lives: batch over the data axes, head / mlp / vocab over model."""
-    del parallel  # sequence and context parallelism will map ``seq``.
+    """Where each activation dim lives: batch over the data axes, head / mlp / vocab over model.
+
+    Two names for the sequence dim: ``seq`` inside attention and the MLP, split over ``context``
+    under context parallelism; ``residual_seq`` in the residual stream (block boundaries, norms,
+    the embedding output), additionally split over ``model`` under Megatron sequence parallelism
+    (Korthikanti et al. 2022, sec. 4.2.2) -- the region plain TP leaves replicated.
+    """
+    seq = "context" if parallel.context != 1 else None
+    residual = seq
+    if parallel.sequence_parallel:
+        residual = ("context", "model") if seq else "model"
     return _rules({
         "batch": BATCH_AXES,
-        "seq": None,
+        "seq": seq,
+        "residual_seq": residual,
         "embed": None,
         "heads": "model",
         "kv_heads": "model",

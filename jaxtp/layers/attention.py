@@ -7,8 +7,8 @@ slot holds its ``q_per_kv`` query heads, then its key, then its value. Sharding 
 ``model`` makes the projection column-parallel with no reshuffle (each rank owns whole KV groups),
 and a single matmul means a single cotangent, so backward runs one all-reduce, not three. The output
 projection ``wo[heads, head_dim, embed]`` is row-parallel; the block costs exactly one ``f`` and one
-``g``. Scores go through ``jax.nn.dot_product_attention`` so GPUs and TPUs get fused
-kernels.
+``g``. Scores go through ``ops.attention``: ``jax.nn.dot_product_attention`` (so GPUs and TPUs get
+fused kernels), or ring attention over ``context`` under context parallelism.
 """
 
 from __future__ import annotations
@@ -59,13 +59,7 @@ class Attention(nnx.Module):
         q = ops.constrain(apply_rope(q, *rope), "batch", "seq", "heads", "head_dim")
         k = ops.constrain(apply_rope(k, *rope), "batch", "seq", "kv_heads", "head_dim")
         v = ops.constrain(v, "batch", "seq", "kv_heads", "head_dim")
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True,             # (B, S, N, H)
-                                         **_impl_kwargs(self.attention_impl))
+        o = ops.attention(q, k, v, self.attention_impl)                      # (B, S, N, H)
         o = ops.constrain(o, "batch", "seq", "heads", "head_dim")
         out = jnp.einsum("bsnh,nhd->bsd", o, self.wo[...].astype(cdt))        # (B, S, D){U_model}
         return ops.reduce_from_model(out)                                     # g
-
-
-def _impl_kwargs(impl: str | None) -> dict:
-    return {} if impl is None else {"implementation": impl}
-
