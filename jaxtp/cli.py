@@ -1,4 +1,4 @@
-"""``jaxtp train | inspect`` (also ``python -m jaxtp``).
+"""``jaxtp train | inspect | plan`` (also ``python -m jaxtp``).
 
 Every verb takes ``--config NAME`` (a preset) and dotted ``section.field=value`` overrides, e.g.
 ``jaxtp inspect --config tiny parallel.data=2 parallel.model=4``.
@@ -54,6 +54,36 @@ def _parser() -> argparse.ArgumentParser:
     tr = verbs.add_parser("train", help="train a model (default: the tiny preset on the "
                                         "embedded corpus)")
     common(tr)
+
+    from jaxtp.hardware import HARDWARE
+
+    pl = verbs.add_parser("plan", help="rank parallel layouts for a model on N devices by a cost "
+                                       "model (memory and step time); --verify compiles the best")
+    pl.add_argument("--config", default="tiny",
+                    help=f"preset name: {', '.join(sorted(PRESETS))} (default: tiny)")
+    pl.add_argument("--devices", type=int, required=True, metavar="N",
+                    help="how many devices to plan for")
+    pl.add_argument("--hardware", default="a100",
+                    help=f"hardware preset: {', '.join(HARDWARE)} (default: a100); change any "
+                         f"field with hardware.FIELD=VALUE, e.g. hardware.hbm_bytes=40e9")
+    pl.add_argument("--hardware-file", default=None, metavar="FILE.json",
+                    help='hardware as a JSON object of fields ({"base": "h100", ...} changes '
+                         'a preset)')
+    pl.add_argument("--json", action="store_true",
+                    help="print the ranked layouts as a JSON list, best first")
+    pl.add_argument("--verify", type=int, default=0, metavar="K",
+                    help="compile the grad step of the best K layouts this version runs, on N "
+                         "simulated CPU devices (slow for large N), and show predicted vs "
+                         "compiled bytes and census")
+    pl.add_argument("--top", type=int, default=10, help="layouts to show (0: all; default 10)")
+    pl.add_argument("--runnable", action="store_true",
+                    help="only layouts this version of jaxtp's engine accepts")
+    pl.add_argument("--activations", choices=("jaxtp", "megatron"), default="jaxtp",
+                    help="activation-memory model: jaxtp's own ops (default) or Korthikanti et "
+                         "al.'s Megatron-LM formula")
+    pl.add_argument("overrides", nargs="*", metavar="key=value",
+                    help="config overrides; parallel.<field>=V / train.microbatches=V pin that "
+                         "choice; hardware.FIELD=V changes the hardware")
     return p
 
 
@@ -73,6 +103,16 @@ def _use_devices(n: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.verb == "plan":
+            from jaxtp import plan
+
+            print(plan.run_cli(config_name=args.config, n_devices=args.devices,
+                               hardware=args.hardware, hardware_file=args.hardware_file,
+                               overrides=args.overrides, as_json=args.json,
+                               verify_k=args.verify, top=args.top,
+                               activations=args.activations, runnable=args.runnable,
+                               use_devices=_use_devices))
+            return 0
         cfg = load(args.config, args.overrides)
         _use_devices(args.devices)
         distributed.initialize(coordinator=args.coordinator, num_processes=args.num_processes,

@@ -1,0 +1,470 @@
+"""The planner: every valid parallel layout for a model on N devices, costed and ranked.
+
+A *layout* is one point of the space DESIGN.md's mesh spans: degrees over ``pipeline, data, fsdp,
+context, expert, model`` whose product is N, a ZeRO stage, a recompute policy, sequence
+parallelism, a pipeline schedule (GPipe, 1F1B, interleaved 1F1B with v virtual stages) and a number
+of micro-batches. :mod:`jaxtp.cost_model` predicts each one's per-device memory and step time; the
+layouts that fit in memory are ranked by step time (a branch and bound over degree groups, ordered
+by a lower bound on step time). ``--verify K`` compiles the best K that this version of the engine
+runs on simulated CPU devices and sets predicted beside compiled bytes and census.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from dataclasses import dataclass
+
+from jaxtp.config import Config, ConfigError
+from jaxtp.cost_model import (AXES, REMATS, SCHEDULES, Estimate, Layout, Shape, batch_expert,
+                              effective_remat, gradient_sync, link, memory, micro_batch_size,
+                              stage_params, step_time, zero_shards)
+from jaxtp.hardware import Hardware
+
+# ---------------------------------------------------------------------------------------------
+# The search
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the planner may choose; ``fixed`` pins Layout fields (e.g. ``(("model", 8),)``)."""
+
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    remats: tuple[str, ...] = REMATS
+    schedules: tuple[str, ...] = SCHEDULES
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    context: bool = True
+    fsdp: bool = True
+    fixed: tuple[tuple[str, object], ...] = ()
+
+
+def divisors(n: int) -> list[int]:
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
+    return sorted(set(small + [n // i for i in small]))
+
+
+def check_layout(s: Shape, layout: Layout, n_devices: int) -> str:
+    """Why ``layout`` cannot run this model on ``n_devices`` ("" when it can): DESIGN.md's
+    constraints, the ones jaxtp.mesh.validate checks and those of the pipeline schedules."""
+    lo, deg = layout, layout.degrees()
+    if any(x < 1 for x in deg.values()) or math.prod(deg.values()) != n_devices:
+        return f"degrees {deg} do not multiply to {n_devices}"
+    t, p, c, m, v = lo.model, lo.pipeline, lo.context, lo.microbatches, lo.virtual_stages
+    checks = [
+        (s.heads % t, f"heads {s.heads} % model {t}"),
+        (s.kv_heads % t, f"kv_heads {s.kv_heads} % model {t}"),
+        (s.d_ff % t, f"d_ff {s.d_ff} % model {t}"),
+        (s.layers % (p * v), f"layers {s.layers} % (pipeline {p} x virtual stages {v})"),
+        (s.batch % (lo.data * lo.fsdp * batch_expert(s, lo) * m),
+         f"batch {s.batch} % (data x fsdp x microbatches)"),
+        (c > 1 and s.seq % (2 * c), f"seq {s.seq} % (2 x context {c}) for the zig-zag layout"),
+        (lo.sequence_parallel and (t == 1 or (s.seq // c) % t),
+         "sequence parallelism needs model > 1 dividing the local sequence"),
+        (lo.expert > 1 and (not s.moe or s.n_experts % lo.expert),
+         f"experts {s.n_experts} % expert {lo.expert}"),
+        (lo.pipeline_schedule not in SCHEDULES, f"schedule {lo.pipeline_schedule}"),
+        (p > 1 and lo.pipeline_schedule != "gpipe" and m < p, "microbatches < pipeline"),
+        (lo.pipeline_schedule == "interleaved" and (p == 1 or v < 2 or m % p),
+         "interleaved needs pipeline > 1, virtual stages >= 2, microbatches % pipeline == 0"),
+        (lo.pipeline_schedule != "interleaved" and v != 1, "virtual stages need interleaved"),
+        (lo.zero_stage not in (0, 1, 2, 3), "zero_stage"),
+        (lo.remat not in REMATS + ("dots_saveable",), "remat"),
+    ]
+    return "; ".join(msg for bad, msg in checks if bad)
+
+
+def _pinned(space: SearchSpace, name: str, value) -> bool:
+    return all(v == value for k, v in space.fixed if k == name)
+
+
+def _degree_tuples(s: Shape, n: int, space: SearchSpace):
+    ok = lambda name, v: _pinned(space, name, v)  # noqa: E731
+    for t in divisors(n):
+        if s.heads % t or s.kv_heads % t or s.d_ff % t or not ok("model", t):
+            continue
+        for p in divisors(n // t):
+            if s.layers % p or not ok("pipeline", p):
+                continue
+            for c in divisors(n // (t * p)) if space.context else [1]:
+                if (c > 1 and s.seq % (2 * c)) or not ok("context", c):
+                    continue
+                for ep in divisors(n // (t * p * c)) if s.moe else [1]:
+                    if (ep > 1 and s.n_experts % ep) or not ok("expert", ep):
+                        continue
+                    rest = n // (t * p * c * ep)
+                    for z in divisors(rest) if space.fsdp else [1]:
+                        d = rest // z
+                        if ok("fsdp", z) and ok("data", d) and s.batch % (rest * (ep if s.moe
+                                                                                   else 1)) == 0:
+                            yield dict(pipeline=p, data=d, fsdp=z, context=c, expert=ep, model=t)
+
+
+def _schedules(s: Shape, deg: dict, local_batch: int, space: SearchSpace):
+    """(schedule, virtual stages, micro-batches): micro-batch sizes that are powers of two (or the
+    whole local batch), every schedule the space allows."""
+    p = deg["pipeline"]
+    ms = [local_batch // b for b in divisors(local_batch)
+          if b & (b - 1) == 0 or b == local_batch]
+    for m in sorted(set(ms)):
+        if not _pinned(space, "microbatches", m):
+            continue
+        if p == 1:
+            yield "1f1b", 1, m  # no pipeline: the schedule is moot
+            continue
+        for name in space.schedules:
+            # GPipe holds m micro-batches to 1F1B's min(m, p) for the same bubble: only worth
+            # listing where 1F1B cannot run (m < p) or is not allowed
+            gpipe = name == "gpipe" and (m < p or "1f1b" not in space.schedules)
+            if gpipe or (name == "1f1b" and m >= p):
+                yield name, 1, m
+            elif name == "interleaved" and m >= p and m % p == 0:
+                for v in divisors(s.layers // p)[1:]:
+                    yield name, v, m
+
+
+def _lower_bound(s: Shape, base: Layout, local: int, hw: Hardware, activations: str) -> float:
+    """A step time no layout of these degrees and stage beats, whatever its schedule,
+    micro-batches and recompute: every component of :func:`step_time` is smallest at one
+    micro-batch without recompute, except the bubble and the p2p, bounded by their values at
+    micro-batches of one sequence and the most virtual stages."""
+    sp = base.model > 1 and s.seq // base.context % base.model == 0  # SP: less HBM traffic
+    one = step_time(s, dataclasses.replace(base, sequence_parallel=sp), hw,
+                    activations=activations)  # m = 1, no recompute
+    p = base.pipeline
+    if p == 1:
+        return one["total"]
+    v_max = divisors(s.layers // p)[-1] if "interleaved" in SCHEDULES else 1
+    ln = link(base, ("pipeline",), hw)
+    seq_bytes = s.seq // base.context * s.d_model * s.compute_bytes / base.model
+    return (one["total"] - one["bubble"] - one["p2p"] + (p - 1) / (v_max * local) * one["compute"]
+            + 2 * (p - 1) * ln.latency + 2 * local * seq_bytes / ln.bandwidth)
+
+
+def plan(cfg: Config, n_devices: int, hw: Hardware, *, space: SearchSpace = SearchSpace(),
+         activations: str = "jaxtp", top: int | None = None) -> tuple[list[Estimate], dict]:
+    """The ``top`` fastest valid layouts that fit ``hw``'s usable HBM (all when ``top`` is None),
+    fastest first, and search statistics.
+
+    For each degree tuple, stage, schedule and micro-batch count only the fastest memory-saving
+    variant that fits is kept: no recompute before selective before full, and sequence
+    parallelism wherever it is valid (it moves the same bytes as TP's all-reduces and saves
+    memory and elementwise work) unless pinned off.
+    Degree tuples are visited in order of a lower bound on their step time; with ``top`` set, the
+    search stops when the bound passes the ``top``-th best time found (branch and bound: the same
+    answer as the exhaustive search, faster).
+    """
+    s = Shape.of(cfg)
+    limit = hw.usable_hbm_bytes
+    remats = [r for r in REMATS if r in space.remats and _pinned(space, "remat", r)]
+    sps = [x for x in (True, False) if x in space.sequence_parallel
+           and _pinned(space, "sequence_parallel", x)]
+    groups = []
+    for deg in _degree_tuples(s, n_devices, space):
+        local = s.batch // (deg["data"] * deg["fsdp"] * (deg["expert"] if s.moe else 1))
+        for stage in space.zero_stages:
+            if not _pinned(space, "zero_stage", stage) or (deg["data"] == 1 and stage > 0):
+                continue  # stages act on `data` only
+            if deg["fsdp"] > 1 and (deg["data"] == 1 or stage == 3):
+                continue  # the same shards as data = data x fsdp at stage 3: listed once, so
+            base = Layout(**deg, zero_stage=stage)
+            n_p, _, n_m = zero_shards(base)
+            psi, _ = stage_params(s, base)
+            if s.param_bytes * psi * 2 / n_p + 8 * psi / n_m > limit:
+                continue  # the state alone does not fit
+            groups.append((_lower_bound(s, base, local, hw, activations), base, local))
+    groups.sort(key=lambda g: g[0])
+    found, best, costed, kth = [], [], 0, math.inf
+    for bound, base, local in groups:
+        if top and bound >= kth:
+            break
+        deg = base.degrees()
+        done = False  # without a pipeline, more micro-batches only add latency: the smallest
+        # count at which no recompute fits is the fastest of them
+        for name, v, m in _schedules(s, deg, local, space):
+            if done:
+                break
+            if not (_pinned(space, "pipeline_schedule", name)
+                    and _pinned(space, "virtual_stages", v)):
+                continue
+            for remat in remats:
+                fits = None
+                for sp in sps:
+                    if sp and (base.model == 1 or s.seq // base.context % base.model):
+                        continue
+                    lo = Layout(**deg, zero_stage=base.zero_stage, remat=remat,
+                                sequence_parallel=sp, pipeline_schedule=name, virtual_stages=v,
+                                microbatches=m)
+                    costed += 1
+                    mem = memory(s, lo, activations=activations)
+                    if mem["total"] <= limit:
+                        fits = (lo, mem)
+                        break
+                if fits:
+                    found.append(Estimate(
+                        layout=fits[0], memory=fits[1],
+                        time=step_time(s, fits[0], hw, activations=activations),
+                        n_devices=n_devices, peak_flops=hw.peak_flops,
+                        model_flops=s.model_flops()))
+                    done = base.pipeline == 1 and remat == remats[0]
+                    if top:  # keep the `top` best times: a max-heap of negatives
+                        heapq.heappush(best, -found[-1].step_time_s)
+                        if len(best) > top:
+                            heapq.heappop(best)
+                        if len(best) == top:
+                            kth = -best[0]
+                    break
+    found.sort(key=lambda est: (est.step_time_s, est.memory_bytes))
+    stats = {"groups": len(groups), "costed": costed, "fit": len(found)}
+    found = found[:top] if top else found
+    return [dataclasses.replace(est, supported=engine_support(cfg, est.layout))
+            for est in found], stats
+
+
+def engine_support(cfg: Config, layout: Layout) -> str:
+    """"" when this version of jaxtp's engine accepts ``layout`` (jaxtp.mesh.validate), else its
+    reason."""
+    from jaxtp.mesh import validate
+
+    if layout.pipeline > 1:
+        return "pipeline parallelism is not built in this version"
+    par = dataclasses.replace(cfg.parallel, **{a: getattr(layout, a) for a in AXES},
+                              zero_stage=layout.zero_stage, remat=layout.remat,
+                              sequence_parallel=layout.sequence_parallel)
+    train = dataclasses.replace(cfg.train, microbatches=layout.microbatches)
+    try:
+        validate(cfg.model, par, train, layout.degrees())
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking predictions against compiled programs, and the report
+# ---------------------------------------------------------------------------------------------
+
+def predicted_grad_step(s: Shape, layout: Layout, *, activations: str = "jaxtp") -> dict:
+    """What the compiled loss-and-gradient step (``Engine.loss_and_grad``) should show: its
+    arguments (parameters + the int32 token batch), outputs (gradients in the stage's sharding +
+    the loss), the rest (full local gradients before the sync, activations, transients: XLA's
+    temporaries), and the bytes per device per step of each (collective, mesh axes) in
+    :mod:`jaxtp.hlo`'s convention (all-reduce: the buffer; all-gather: the result;
+    reduce-scatter: the input). The optimizer state is not part of this step."""
+    mem = memory(s, layout, activations=activations)
+    n_p, n_g, _ = zero_shards(layout)
+    psi, table = stage_params(s, layout)
+    pb, e, m, t = s.param_bytes, s.compute_bytes, layout.microbatches, layout.model
+    local = s.batch // (layout.data * layout.fsdp * batch_expert(s, layout))
+    grads_out = pb * psi / n_g
+    out = {"arguments": mem["params"] + 2 * 4 * local * s.seq, "outputs": grads_out + 4,
+           "temporaries": mem["grads"] - grads_out + mem["activations"] + mem["transient"]}
+    census: dict[tuple[str, tuple[str, ...]], float] = {}
+    tokens = micro_batch_size(s, layout) * s.seq // layout.context
+    if t > 1:
+        per_layer = 4 + (2 if effective_remat(layout) == "full" else 0)
+        census["all-reduce", ("model",)] = m * (s.layers * per_layer + 2) * tokens * s.d_model * e
+    d_axes = tuple(a for a in ("data", "fsdp") if getattr(layout, a) > 1)
+    for kind, axes, nbytes in gradient_sync(layout, pb * psi / n_p):
+        census[kind, axes] = census.get((kind, axes), 0.0) + nbytes
+    c = layout.context
+    if c > 1:  # ring attention: K/V hops forward, K/V + fp32 dK/dV backward (+ recompute)
+        kv = 2 * tokens * s.kv_heads * s.head_dim / t
+        hops = (c - 1) * kv * e * (3 if effective_remat(layout) == "full" else 2) + c * kv * 4
+        census["collective-permute", ("context",)] = m * s.layers * hops
+    if n_p > 1:
+        axes = d_axes if layout.zero_stage >= 3 else ("fsdp",)
+        layer = pb * s.layer_params(t, layout.expert)
+        census["all-gather", axes] = m * (2 * s.layers * layer + pb * table)
+        census["reduce-scatter", axes] = census.get(("reduce-scatter", axes), 0.0) + m * (
+            s.layers * layer + pb * table)
+    out["collectives"] = census
+    return out
+
+
+def verify(cfg: Config, estimates: list[Estimate], k: int, *,
+           activations: str = "jaxtp") -> list[dict]:
+    """Compile the grad step of the first ``k`` layouts this version's engine builds (AOT, from
+    abstract inputs on the current -- e.g. simulated CPU -- devices) and set each beside its
+    prediction. Layouts ranked above them that the engine rejects are returned too, with the
+    reason ("not compilable in this version")."""
+    from jaxtp import engine, hlo
+    from jaxtp.config import apply_overrides
+    from jaxtp.inspect import compile_step
+    from jaxtp.mesh import mesh_shape
+
+    s, rows, done = Shape.of(cfg), [], 0
+    for rank, est in enumerate(estimates, 1):
+        if done == k:
+            break
+        row = {"rank": rank, "layout": est.layout,
+               "predicted": predicted_grad_step(s, est.layout, activations=activations)}
+        rows.append(row)
+        try:
+            if est.layout.pipeline > 1:
+                raise ConfigError(est.supported or "pipeline schedules are not built")
+            eng = engine.build(apply_overrides(cfg, est.layout.overrides()))
+        except ConfigError as err:
+            row["not_compilable"] = str(err)
+            continue
+        compiled = compile_step(eng, "grad")
+        mem = compiled.memory_analysis()
+        row["compiled"] = {"arguments": int(mem.argument_size_in_bytes),
+                           "outputs": int(mem.output_size_in_bytes),
+                           "temporaries": int(mem.temp_size_in_bytes),
+                           "collectives": {(c["kind"], tuple(c["axes"])): c["bytes"]
+                                           for c in hlo.census(hlo.collectives(
+                                               compiled.as_text(), mesh_shape(eng.mesh)))}}
+        done += 1
+    return rows
+
+
+def _gib(x: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= size / 4:
+            return f"{x / size:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _layout_text(lo: Layout) -> str:
+    parts = [f"{a}={getattr(lo, a)}" for a in AXES if getattr(lo, a) > 1] or ["1 device"]
+    if lo.pipeline > 1:
+        parts.append(lo.pipeline_schedule + (f"(v={lo.virtual_stages})"
+                                             if lo.virtual_stages > 1 else ""))
+    if lo.sequence_parallel:
+        parts.append("SP")
+    return " ".join(parts)
+
+
+def format_plan(estimates: list[Estimate], *, title: str, stats: dict) -> str:
+    lines = [title, f"{stats['costed']} layouts costed, {stats['fit']} fit; fastest first "
+             f"(memory per device; time per step; MFU = model FLOPs / peak; exposed = "
+             f"communication on the critical path / step)", "",
+             f"  {'#':>2} {'layout':<58} {'m':>4} {'zero':>4} {'remat':<9} {'memory':>11} "
+             f"{'step s':>9} {'MFU':>6} {'exposed':>7}  runs here"]
+    for i, est in enumerate(estimates, 1):
+        lo = est.layout
+        lines.append(f"  {i:>2} {_layout_text(lo):<58} {lo.microbatches:>4} {lo.zero_stage:>4} "
+                     f"{lo.remat:<9} {_gib(est.memory_bytes):>11} {est.step_time_s:>9.4g} "
+                     f"{est.mfu:>6.1%} {est.exposed_comm_fraction:>7.1%}  "
+                     f"{'yes' if not est.supported else 'no'}")
+    if not estimates:
+        lines.append("  (no layout fits: more devices, more memory, or a smaller batch)")
+    return "\n".join(lines)
+
+
+def format_verify(rows: list[dict]) -> str:
+    lines = ["", "predicted vs compiled: the loss-and-gradient step per device (no optimizer "
+             "state in it)"]
+    for row in rows:
+        lines.append(f"  #{row['rank']} {_layout_text(row['layout'])}, "
+                     f"zero {row['layout'].zero_stage}, remat {row['layout'].remat}, "
+                     f"m={row['layout'].microbatches}")
+        if "not_compilable" in row:
+            lines.append(f"     not compilable in this version: {row['not_compilable']}")
+            continue
+        pred, comp = row["predicted"], row["compiled"]
+        for key in ("arguments", "outputs", "temporaries"):
+            lines.append(f"     {key:<31} predicted {_gib(pred[key]):>11}   compiled "
+                         f"{_gib(comp[key]):>11}   ratio {pred[key] / max(comp[key], 1):.2f}")
+        keys = sorted(set(pred["collectives"]) | set(comp["collectives"]))
+        for kind, axes in keys:
+            p = pred["collectives"].get((kind, axes), 0)
+            c = comp["collectives"].get((kind, axes), 0)
+            lines.append(f"     {kind:<18} {','.join(axes) or '-':<12} predicted {_gib(p):>11}"
+                         f"   compiled {_gib(c):>11}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# `jaxtp plan`
+# ---------------------------------------------------------------------------------------------
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], list[str], tuple]:
+    """(config overrides, ``hardware.*`` overrides, pins): ``parallel.<Layout field>=V`` and
+    ``train.microbatches=V`` pin that field of every layout (a degree of -1 pins nothing)."""
+    config, hardware, pins = [], [], []
+    types = {f.name: type(f.default) for f in dataclasses.fields(Layout)}
+    for item in overrides:
+        key, _, text = item.partition("=")
+        key = key.strip().lstrip("-")
+        if key.startswith("hardware."):
+            hardware.append(item)
+            continue
+        section, _, name = key.partition(".")
+        if (section == "parallel" and name in types) or key == "train.microbatches":
+            kind, text = types[name], text.strip()
+            try:
+                value = (text.lower() in ("1", "true", "yes", "on")) if kind is bool else \
+                    kind(text)
+            except ValueError:
+                raise ConfigError(f"{key}={text!r} is not a {kind.__name__}") from None
+            if value != -1:
+                pins.append((name, value))
+            if name in ("pipeline_schedule", "virtual_stages"):
+                continue  # not config fields (yet)
+        config.append(item)
+    return config, hardware, tuple(pins)
+
+
+def run_cli(*, config_name: str, n_devices: int, hardware: str, hardware_file: str | None,
+            overrides: list[str], as_json: bool, verify_k: int, top: int, activations: str,
+            runnable: bool = False, use_devices) -> str:
+    """``jaxtp plan``: the ranked table (or JSON list) and, with ``verify_k``, the comparison
+    with compiled programs on ``n_devices`` simulated devices (``use_devices(n)`` sets them up
+    before JAX starts a backend)."""
+    import json
+    import time
+
+    from jaxtp.config import load
+    from jaxtp.hardware import load_hardware
+
+    if n_devices < 1:
+        raise ConfigError(f"--devices {n_devices}: plan for at least one device")
+    cfg_over, hw_over, pins = split_overrides(list(overrides))
+    cfg = load(config_name, cfg_over)
+    hw = load_hardware(hardware, hw_over, hardware_file)
+    t0 = time.perf_counter()
+    want = None if runnable or not top else max(top, 50 if verify_k else 0)
+    estimates, stats = plan(cfg, n_devices, hw, space=SearchSpace(fixed=pins),
+                            activations=activations, top=want)
+    if runnable:  # only what this version of the engine runs
+        estimates = [est for est in estimates if not est.supported]
+    seconds = time.perf_counter() - t0
+    shown = estimates[:top] if top else estimates
+    if as_json:
+        rows = [est.to_json() for est in shown]
+        if verify_k:
+            use_devices(n_devices)
+            checked = {row["rank"]: row for row in verify(cfg, estimates, verify_k,
+                                                          activations=activations)}
+            for rank, row in checked.items():
+                if rank <= len(rows):
+                    rows[rank - 1]["verify"] = _json_verify(row)
+        return json.dumps(rows, indent=1)
+    s = Shape.of(cfg)
+    title = (f"jaxtp plan: {config_name} ({s.layers} layers, h={s.d_model}, "
+             f"{_count(cfg.model.param_count())} params; batch {s.batch} x {s.seq}) on "
+             f"{n_devices} x {hw.name} ({hw.devices_per_node} per node, "
+             f"{hw.peak_flops / 1e12:.0f} TFLOP/s, {hw.hbm_bytes / 1e9:.0f} GB, intra "
+             f"{hw.intra.bandwidth / 1e9:.0f} GB/s, inter {hw.inter.bandwidth / 1e9:.0f} GB/s); "
+             f"activations: {activations}; searched in {seconds:.2f} s")
+    text = format_plan(shown, title=title, stats=stats)
+    if verify_k:
+        use_devices(n_devices)
+        text += "\n" + format_verify(verify(cfg, estimates, verify_k, activations=activations))
+    return text
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
+def _json_verify(row: dict) -> dict:
+    if "not_compilable" in row:
+        return {"not_compilable": row["not_compilable"]}
+
+    def flat(d):
+        return {k: v for k, v in d.items() if k != "collectives"} | {
+            "collectives": [{"kind": k, "axes": list(a), "bytes": b}
+                            for (k, a), b in d["collectives"].items()]}
+    return {"predicted": flat(row["predicted"]), "compiled": flat(row["compiled"])}
