@@ -6,8 +6,11 @@ Under ``jax.shard_map`` with varying-axes checking, ``f`` is ``pcast(..., to='va
 transpose is an all-reduce) and ``g`` is ``psum`` (its transpose is a cast back), so no custom VJP
 is written here. With sequence parallelism (Korthikanti et al. 2022) the pair becomes an all-gather
 along the sequence before the column-parallel linear and a reduce-scatter after the row-parallel
-one, again each the other's transpose. Notation: ``{U_model}`` = unreduced (a partial sum) over the ``model`` axis;
-``{V_model}`` = varying (different on each rank) over ``model``.
+one, again each the other's transpose. Expert parallelism (GShard, Lepikhin et al. 2020) adds
+one more conjugate pair over ``expert``: the all-to-all that dispatches routed tokens to the ranks
+holding their experts, and its inverse that combines the outputs back. Notation: ``{U_model}`` =
+unreduced (a partial sum) over the ``model`` axis; ``{V_model}`` = varying (different on each
+rank) over ``model``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import jax
 
 MODEL = "model"
+EXPERT = "expert"
 
 
 def copy_to_model(x: jax.Array, axis: str = MODEL) -> jax.Array:
@@ -35,7 +39,8 @@ def reduce_from_model(x: jax.Array, axis: str = MODEL) -> jax.Array:
 
 
 def gather_sequence(x: jax.Array, axis: str = MODEL, dim: int = 1) -> jax.Array:
-    """Megatron-SP ``g-bar``, replacing ``f``. Forward: all-gather over ``axis`` along the sequence.
+    """Korthikanti et al.'s ``g`` (Fig. 5), replacing TP's ``f``. Forward: all-gather over ``axis``
+    along the sequence.
     Backward: reduce-scatter (JAX's transpose of ``all_gather``).
 
     ``[B,S/t,D]{V_model} -> [B,S,D]{V_model}``: the sequence-parallel block input, gathered for the
@@ -45,8 +50,8 @@ def gather_sequence(x: jax.Array, axis: str = MODEL, dim: int = 1) -> jax.Array:
 
 
 def reduce_scatter_sequence(x: jax.Array, axis: str = MODEL, dim: int = 1) -> jax.Array:
-    """Megatron-SP ``g``, replacing the all-reduce. Forward: reduce-scatter over ``axis`` along the
-    sequence. Backward: all-gather.
+    """Korthikanti et al.'s ``g-bar`` (Fig. 5), replacing TP's all-reduce ``g``. Forward:
+    reduce-scatter over ``axis`` along the sequence. Backward: all-gather.
 
     ``[B,S,D]{U_model} -> [B,S/t,D]{V_model}``: the row-parallel linear's partial sums, summed and
     left split along the sequence for the norm / residual region.
@@ -92,3 +97,23 @@ def sync_grads(g: jax.Array, replicated: tuple[str, ...], scatter: tuple[str, ..
                                  scatter_dimension=dim, tiled=True)
     rest = tuple(a for a in replicated if a not in scatter)
     return jax.lax.psum(g, rest) if rest else g
+
+
+def dispatch_to_experts(x: jax.Array, axis: str = EXPERT) -> jax.Array:
+    """EP dispatch. Forward: all-to-all over ``axis``. Backward: the inverse all-to-all.
+
+    ``[E, G, C, D]{V_axis} -> [E/ep, ep*G, C, D]{V_axis}``: rank ``r`` sends the slots of experts
+    ``r' E/ep .. (r'+1) E/ep - 1`` of its ``G`` groups to rank ``r'`` and receives, for its own
+    experts, the slots of every rank's groups (source-rank major).
+    """
+    return jax.lax.all_to_all(x, axis, split_axis=0, concat_axis=1, tiled=True)
+
+
+def combine_from_experts(y: jax.Array, axis: str = EXPERT) -> jax.Array:
+    """EP combine, the inverse of :func:`dispatch_to_experts`. Forward: all-to-all over ``axis``.
+    Backward: the dispatch all-to-all.
+
+    ``[E/ep, ep*G, C, D]{V_axis} -> [E, G, C, D]{V_axis}``: each rank's expert outputs go back to
+    the ranks that own the groups.
+    """
+    return jax.lax.all_to_all(y, axis, split_axis=1, concat_axis=0, tiled=True)

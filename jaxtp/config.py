@@ -51,6 +51,16 @@ class ModelConfig:
     # jax.nn.dot_product_attention's implementation: "default" lets JAX choose (XLA's softmax(QK^T)V
     # today), "cudnn" is cuDNN's fused flash attention (NVIDIA GPUs only).
     attention_impl: AttentionImpl = "default"
+    # Mixture of experts (GShard / Switch; jaxtp.layers.moe): 0 = dense. With n_experts > 0 every
+    # `moe_every`-th layer (the last of each group of moe_every) routes each token to `top_k` of
+    # `n_experts` expert MLPs, each taking at most ceil(top_k x tokens x capacity_factor /
+    # n_experts) tokens of a batch row (0 = dropless); the router's losses are added to the loss.
+    n_experts: int = 0
+    top_k: int = 1
+    capacity_factor: float = 1.25
+    moe_every: int = 1
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
 
     @property
     def resolved_head_dim(self) -> int:
@@ -60,14 +70,22 @@ class ModelConfig:
         multiple = self.vocab_pad_multiple * tensor_parallel
         return -(-self.vocab_size // multiple) * multiple
 
-    def param_count(self) -> int:
-        """Parameters of the unpadded model (embedding counted once when tied)."""
+    @property
+    def n_moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts (every ``moe_every``-th; 0 when dense)."""
+        return self.n_layers // self.moe_every if self.n_experts > 0 and self.moe_every > 0 else 0
+
+    def param_count(self, *, active: bool = False) -> int:
+        """Parameters of the unpadded model (embedding counted once when tied). ``active``: those
+        one token uses -- of an MoE layer, the router and ``top_k`` experts (the FLOP count)."""
         d, f, hd = self.d_model, self.d_ff, self.resolved_head_dim
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
         mlp = (3 if self.activation == "swiglu" else 2) * d * f
         per_layer = attn + mlp + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + emb + d
+        experts = (self.top_k if active else self.n_experts) - 1  # beyond the dense MLP
+        moe = self.n_moe_layers * (experts * mlp + d * self.n_experts)
+        return self.n_layers * per_layer + moe + emb + d
 
 
 @dataclass(frozen=True)
@@ -155,6 +173,15 @@ def tiny() -> Config:
                           d_ff=256, max_seq_len=128),
         train=TrainConfig(batch_size=8, seq_len=64, steps=500, eval_every=100),
     )
+
+
+@preset("tiny-moe")
+def tiny_moe() -> Config:
+    """The tiny model with every MLP a mixture of 8 experts, top-2 (GShard's routing); run it
+    expert-parallel with e.g. ``parallel.expert=4 parallel.data=2``."""
+    base = tiny()
+    return dataclasses.replace(base, model=dataclasses.replace(
+        base.model, n_experts=8, top_k=2, capacity_factor=1.25, moe_every=1))
 
 
 @preset("gpt2-small")
@@ -331,3 +358,10 @@ def validate_model(m: ModelConfig) -> None:
                           f"{m.n_heads}; set model.head_dim explicitly or change n_heads")
     if m.resolved_head_dim % 2:
         raise ConfigError(f"head_dim={m.resolved_head_dim} must be even for RoPE")
+    if m.n_experts < 0:
+        raise ConfigError(f"model.n_experts={m.n_experts} must be >= 0 (0 = dense, no experts)")
+    if m.n_experts and m.moe_every >= 1 and m.n_layers % m.moe_every:
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} is not divisible by model.moe_every={m.moe_every}: the "
+            f"layer scan runs groups of moe_every layers (moe_every - 1 dense, then one MoE); use "
+            f"an n_layers that is a multiple of {m.moe_every} or change model.moe_every")

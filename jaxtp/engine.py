@@ -5,10 +5,17 @@ abstract model (``nnx.eval_shape``, nothing allocated) -> sharded init under the
 function, written once and run either by GSPMD (``jax.jit`` + constraints) or per-device under
 ``jax.shard_map`` with the Megatron operators. :func:`abstract_inputs` gives ShapeDtypeStructs so a
 step for a mesh far larger than the machine can be compiled without allocating anything.
+
+Mixture-of-Experts models add their router losses to the training loss: ``loss = LM + sum over MoE
+layers of aux_loss``. Each layer's aux is already the global-batch value on every device, so where
+each device differentiates its *local* loss (whose sum over the token ranks is the step loss) it
+adds ``aux_loss / n_token_ranks``; in the global view it is added once. With micro-batches the aux
+is that of each micro-batch, averaged (as Megatron-LM does), not of the whole batch.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -76,12 +83,27 @@ def sync_grads(grads: nnx.State, param_specs: nnx.State, grad_specs: nnx.State,
 def token_losses(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, ops, *,
                  remat: str) -> jax.Array:
     """Per-token next-token cross-entropy ``[B,S]`` of the model ``(graphdef, params)``."""
+    return token_losses_and_aux(graphdef, params, batch, ops, remat=remat)[0]
+
+
+def token_losses_and_aux(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, ops, *,
+                         remat: str) -> tuple[jax.Array, dict]:
+    """``(per-token cross-entropy [B,S], MoE aux)``; the aux is ``{}`` for a dense model."""
     model = nnx.merge(graphdef, params)
     inputs = batch["inputs"]
     positions = batch.get("positions")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    return model.token_losses(inputs, batch["targets"], positions, ops, remat=remat)
+    return model.token_losses_and_aux(inputs, batch["targets"], positions, ops, remat=remat)
+
+
+def moe_metrics(aux: dict, loss: jax.Array) -> dict:
+    """What the trainer logs of an MoE step: the total loss split into LM and router parts, the
+    router losses, the fraction of token-to-expert assignments dropped at capacity and each
+    expert's share of the assignments (``expert_load``, sums to 1; uniform is 1/n_experts)."""
+    if not aux:
+        return {}
+    return {"lm_loss": loss - aux["aux_loss"], **aux}
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,6 +118,11 @@ class Engine:
     padded_vocab: int
     graphdef: nnx.GraphDef
     abstract_params: nnx.State  # ShapeDtypeStruct values, no sharding
+
+    @property
+    def moe(self) -> bool:
+        """Whether the model has Mixture-of-Experts layers (``model.n_experts > 0``)."""
+        return self.cfg.model.n_experts > 0
 
     @cached_property
     def zero(self) -> ZeroLayout:
@@ -233,8 +260,21 @@ class Engine:
         is the whole program, no ``shard_map``). Ring attention is written per device, so
         ``context`` is manual whenever it is split."""
         if self.cfg.parallel.mode == "explicit":
-            return BATCH_AXES + ("context",)
-        return tuple(a for a in BATCH_AXES + ("context",) if self.degrees[a] > 1)
+            return BATCH_AXES + ("context",) + self._token_expert
+        return tuple(a for a in BATCH_AXES + ("context",) + self._token_expert
+                     if self.degrees[a] > 1)
+
+    @property
+    def _token_expert(self) -> tuple[str, ...]:
+        """``("expert",)`` under expert parallelism: expert ranks are data ranks for the dense
+        layers and attention (the batch is split over them too), so ``expert`` is a token axis."""
+        return ("expert",) if self.degrees["expert"] > 1 else ()
+
+    @property
+    def _n_token_ranks(self) -> int:
+        """Devices holding different tokens in the per-device region: each adds ``1/n`` of the
+        (global, replicated) router loss to its local loss."""
+        return math.prod(self.degrees[a] for a in self._dp_axes)
 
     def _region_specs(self, specs: nnx.State) -> nnx.State:
         """``shard_map`` specs for a state: all axes in explicit mode, the batch axes otherwise."""
@@ -257,7 +297,8 @@ class Engine:
         return lambda params, batch: mapped(params, self._prepare(batch))
 
     def loss_fn(self) -> Callable[[nnx.State, Batch], jax.Array]:
-        """Mean next-token loss over the global batch, in the configured execution mode."""
+        """Mean next-token loss over the global batch (plus the MoE router losses: the training
+        loss), in the configured execution mode."""
         cfg, graphdef = self.cfg, self.graphdef
         remat = cfg.parallel.remat
 
@@ -269,7 +310,9 @@ class Engine:
                 batch = self._prepare(batch)
                 # a sharded embedding table is gathered before the lookup, not partitioned by it
                 params = ops.gather(params, outer)
-                return jnp.mean(token_losses(graphdef, params, batch, ops, remat=remat))
+                per_token, aux = token_losses_and_aux(graphdef, params, batch, ops, remat=remat)
+                value = jnp.mean(per_token)
+                return value + aux["aux_loss"] if aux else value
             return loss
 
         n_tokens = cfg.train.batch_size * cfg.train.seq_len
@@ -278,14 +321,16 @@ class Engine:
         def local_loss(params, batch):
             params = self._gather_outer(
                 mark_data_parallel(params, self.param_specs, self._replica_axes))
-            per_token = token_losses(graphdef, params, batch, ops, remat=remat)
-            return jax.lax.psum(jnp.sum(per_token), self._dp_axes) / n_tokens
+            per_token, aux = token_losses_and_aux(graphdef, params, batch, ops, remat=remat)
+            value = jax.lax.psum(jnp.sum(per_token), self._dp_axes) / n_tokens
+            return value + aux["aux_loss"] if aux else value  # aux: global on every device
 
         return self._shard_map(local_loss, out_specs=PartitionSpec())
 
-    def value_and_grad_fn(self):
+    def value_and_grad_fn(self, *, with_metrics: bool = False):
         """``(params, batch) -> (loss, grads)``, grads in :attr:`grad_specs`, accumulated over
-        ``train.microbatches``.
+        ``train.microbatches``; ``with_metrics``: ``(loss, grads, metrics)``, the metrics of
+        :func:`moe_metrics` (``{}`` for a dense model), averaged over the micro-batches.
 
         GSPMD with one micro-batch is ``jax.value_and_grad(loss_fn())`` and XLA places the sync.
         Otherwise each device computes *local* gradients (accumulated over its m micro-batches in a
@@ -300,35 +345,52 @@ class Engine:
         n_tokens = cfg.train.batch_size * cfg.train.seq_len
         dp, replicas = self._dp_axes, self._replica_axes
         ops = self._ops(manual_batch=bool(dp))
+        # each device's share of the (replicated) router loss in its local loss
+        aux_scale = 1.0 / (self._n_token_ranks * m) if dp else 1.0 / m
 
         def micro_loss(params, micro):
             params = self._gather_outer(params)
-            losses = token_losses(graphdef, params, micro, ops, remat=cfg.parallel.remat)
-            return jnp.sum(losses) / n_tokens
+            losses, aux = token_losses_and_aux(graphdef, params, micro, ops,
+                                               remat=cfg.parallel.remat)
+            value = jnp.sum(losses) / n_tokens
+            if aux:
+                value = value + aux["aux_loss"] * aux_scale
+            return value, aux
 
         def local(params, batch):
             params = mark_data_parallel(params, self.param_specs, replicas)
             if m == 1:
-                loss, grads = jax.value_and_grad(micro_loss)(params, batch)
+                (loss, aux), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, batch)
             else:
                 # local row r*m + k goes to micro-batch k: a reshape, no data movement
                 micro = jax.tree.map(
                     lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
 
                 def body(acc, mb):
-                    loss, grads = jax.value_and_grad(micro_loss)(params, mb)
-                    return jax.tree.map(jnp.add, acc, (loss, grads)), None
+                    (loss, aux), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, mb)
+                    return jax.tree.map(jnp.add, acc, (loss, grads)), aux
 
                 zero_loss = jnp.zeros((), jnp.float32)
                 if dp:
                     zero_loss = jax.lax.pcast(zero_loss, dp, to="varying")
                 zero = (zero_loss, jax.tree.map(jnp.zeros_like, params))
-                (loss, grads), _ = jax.lax.scan(body, zero, micro)
+                (loss, grads), aux = jax.lax.scan(body, zero, micro)
+                aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), aux)
+            loss = jax.lax.psum(loss, dp) if dp else loss
             # the one gradient sync per step
-            return (jax.lax.psum(loss, dp) if dp else loss,
-                    sync_grads(grads, self.param_specs, self.grad_specs, replicas))
+            grads = sync_grads(grads, self.param_specs, self.grad_specs, replicas)
+            if with_metrics:
+                return (loss, moe_metrics(aux, loss)), grads
+            return loss, grads
 
-        return self._shard_map(local, out_specs=PartitionSpec(), param_out=self.grad_specs)
+        fn = self._shard_map(local, out_specs=PartitionSpec(), param_out=self.grad_specs)
+        if not with_metrics:
+            return fn
+
+        def with_aux(params, batch):
+            (loss, metrics), grads = fn(params, batch)
+            return loss, grads, metrics
+        return with_aux
 
     def loss_and_grad(self, *, donate: bool = False):
         """``jit``-ed ``(params, batch) -> (loss, grads)``, grads in :attr:`grad_shardings`."""
@@ -336,6 +398,16 @@ class Engine:
             self.value_and_grad_fn(),
             in_shardings=(self.param_shardings, self.batch_sharding),
             out_shardings=(NamedSharding(self.mesh, PartitionSpec()), self.grad_shardings),
+            donate_argnums=(0,) if donate else ())
+
+    def loss_grad_and_metrics(self, *, donate: bool = False):
+        """``jit``-ed ``(params, batch) -> (loss, grads, metrics)``: :meth:`loss_and_grad` plus
+        the MoE metrics of :func:`moe_metrics` (``{}`` for a dense model), replicated."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.jit(
+            self.value_and_grad_fn(with_metrics=True),
+            in_shardings=(self.param_shardings, self.batch_sharding),
+            out_shardings=(replicated, self.grad_shardings, replicated),
             donate_argnums=(0,) if donate else ())
 
     def loss(self):
@@ -358,20 +430,27 @@ def build(cfg: Config, devices=None) -> Engine:
         lambda: Transformer(cfg.model, padded_vocab=padded_vocab, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     return Engine(cfg=cfg, mesh=mesh, degrees=degrees, param_rules=param_rules(cfg.parallel),
-                  activation_rules=activation_rules(cfg.parallel), padded_vocab=padded_vocab,
-                  graphdef=graphdef, abstract_params=state)
+                  activation_rules=activation_rules(cfg.parallel, degrees),
+                  padded_vocab=padded_vocab, graphdef=graphdef, abstract_params=state)
 
 
-def reference_loss_fn(cfg: Config, padded_vocab: int | None = None):
-    """The single-device reference: the same model with no mesh and no collectives."""
+def reference_loss_fn(cfg: Config, padded_vocab: int | None = None, *,
+                      with_metrics: bool = False):
+    """The single-device reference: the same model with no mesh and no collectives. The loss is
+    the training loss (an MoE model's router losses included); ``with_metrics``:
+    ``(loss, metrics)`` as :func:`moe_metrics`, for ``jax.value_and_grad(..., has_aux=True)``."""
     padded_vocab = padded_vocab or cfg.model.padded_vocab_size(1)
     abstract = nnx.eval_shape(
         lambda: Transformer(cfg.model, padded_vocab=padded_vocab, rngs=nnx.Rngs(0)))
     graphdef, _ = nnx.split(abstract)
 
     def loss(params, batch):
-        return jnp.mean(token_losses(graphdef, params, batch, LocalOps(),
-                                     remat=cfg.parallel.remat))
+        per_token, aux = token_losses_and_aux(graphdef, params, batch, LocalOps(),
+                                              remat=cfg.parallel.remat)
+        value = jnp.mean(per_token)
+        if aux:
+            value = value + aux["aux_loss"]
+        return (value, moe_metrics(aux, value)) if with_metrics else value
     return loss
 
 

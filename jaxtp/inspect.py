@@ -93,12 +93,14 @@ def analytic_flops(engine: Engine) -> float:
     """Training FLOPs per step: 6 N T for the matmuls plus 12 L s d T for attention scores.
 
     N counts the non-embedding parameters plus the output head (Kaplan et al. 2020; the attention
-    term is Narayanan et al. 2021 eq. 3 without the causal halving), T the tokens per step.
+    term is Narayanan et al. 2021 eq. 3 without the causal halving), T the tokens per step. Of an
+    MoE layer, N counts the router and the ``top_k`` experts a token uses (the active
+    parameters), not the capacity padding the compiled step also multiplies.
     """
     m, t = engine.cfg.model, engine.cfg.train
     tokens = t.batch_size * t.seq_len
     # The input lookup is no matmul; the output projection is one, tied or not.
-    n = m.param_count() - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+    n = m.param_count(active=True) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
     return 6.0 * n * tokens + 12.0 * m.n_layers * t.seq_len * m.n_heads * m.resolved_head_dim \
         * tokens
 

@@ -19,6 +19,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxtp.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from jaxtp.layers.moe import MoESettings, check_moe
 
 AXES: tuple[str, ...] = ("pipeline", "data", "fsdp", "context", "expert", "model")
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
@@ -114,10 +115,13 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
             f"dividing it, or raise model.n_kv_heads")
     if model.d_ff % t:
         raise ConfigError(f"model.d_ff={model.d_ff} is not divisible by parallel.model={t}")
-    batch_shards = degrees["data"] * degrees["fsdp"]
+    _validate_experts(model, degrees)
+    batch_shards = degrees["data"] * degrees["fsdp"] * degrees["expert"]
     if train.batch_size % batch_shards:
+        names = "parallel.data x parallel.fsdp" + (
+            " x parallel.expert" if degrees["expert"] > 1 else "")
         raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by the batch "
-                          f"shards parallel.data x parallel.fsdp = {batch_shards}")
+                          f"shards {names} = {batch_shards}")
     if train.batch_size % (batch_shards * train.microbatches):
         raise ConfigError(f"train.batch_size={train.batch_size} must split into "
                           f"train.microbatches={train.microbatches} on each of {batch_shards} "
@@ -131,13 +135,25 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
     _validate_sequence(parallel, train, degrees)
     not_yet = {
         "parallel.pipeline": degrees["pipeline"] != 1,
-        "parallel.expert": degrees["expert"] != 1,
     }
     missing = [k for k, on in not_yet.items() if on]
     if missing:
         raise ConfigError(f"{', '.join(missing)}: not supported in this version of jaxtp yet "
-                          f"(tensor, sequence, context, data, ZeRO and FSDP parallelism are); "
-                          f"set them to their defaults")
+                          f"(tensor, sequence, context, expert, data, ZeRO and FSDP parallelism "
+                          f"are); set them to their defaults")
+
+
+def _validate_experts(model: ModelConfig, degrees: dict[str, int]) -> None:
+    """Mixture of experts: the layer's own constraints (:func:`jaxtp.layers.moe.check_moe`:
+    top_k, capacity, experts divisible by ``parallel.expert``); a dense model takes no EP."""
+    if model.n_experts == 0:
+        if degrees["expert"] > 1:
+            raise ConfigError(f"parallel.expert={degrees['expert']} needs model.n_experts > 0: "
+                              f"expert parallelism splits the experts of MoE layers, and this "
+                              f"model is dense; set model.n_experts (e.g. to a multiple of "
+                              f"{degrees['expert']}) or parallel.expert=1")
+        return
+    check_moe(MoESettings.of(model), degrees["expert"])  # n_layers % moe_every: validate_model
 
 
 def _validate_sequence(parallel: ParallelConfig, train: TrainConfig,

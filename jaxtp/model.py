@@ -2,9 +2,19 @@
 
 Architecture: pre-norm residual blocks (RMSNorm, Zhang & Sennrich 2019), rotary positions (RoPE,
 Su et al. 2021), grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020) or GELU MLP,
-vocab-parallel embedding and loss (Shoeybi et al. 2019), optional tied embeddings. Layers are
+vocab-parallel embedding and loss (Shoeybi et al. 2019), optional tied embeddings, optional
+Mixture-of-Experts MLPs (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021). Layers are
 stacked along a leading ``layers`` dim and run with ``jax.lax.scan``, so compile time does not grow
 with depth and the collective census of one layer body is multiplied by the trip count.
+
+One scan runs one kind of body, so an MoE model (``n_experts > 0``) scans over *groups* of
+``moe_every`` layers, :class:`MoEBlock`: ``moe_every - 1`` dense layers, then one whose MLP is the
+routed experts (GShard's every-other-layer placement for ``moe_every = 2``). Its parameter tree:
+``blocks.{attn_norm, attn, mlp_norm, moe}`` for the MoE layer of each group (leading ``layers``
+dim, ``n_layers / moe_every`` long) and, when ``moe_every > 1``, ``blocks.dense`` -- a dense
+:class:`Block` with two leading ``layers`` dims ``[groups, moe_every - 1]``. A dense model's tree is
+unchanged: ``blocks`` is the stacked :class:`Block`. Each MoE layer returns its router statistics
+as a scan output; :func:`jaxtp.layers.moe.summarize_aux` sums the losses over layers.
 
 The model knows logical names only: parallelism arrives as the ``ops`` object of
 :mod:`jaxtp.execution` and the parameter / activation tables of :mod:`jaxtp.sharding`.
@@ -20,13 +30,15 @@ from jaxtp.config import ModelConfig
 from jaxtp.layers.attention import Attention, rope_tables
 from jaxtp.layers.embedding import OutputHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from jaxtp.layers.mlp import MLP
+from jaxtp.layers.moe import MoE, summarize_aux
 from jaxtp.layers.norm import RMSNorm
 
 
 class Block(nnx.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))``; params stacked ``stack`` deep."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
+                 stack: int | tuple[int, ...] | None = None):
         dt = jnp.dtype(cfg.param_dtype)
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dt, rngs=rngs, stack=stack)
         self.attn = Attention(cfg, rngs=rngs, stack=stack)
@@ -40,6 +52,35 @@ class Block(nnx.Module):
         return ops.constrain(x, "batch", "residual_seq", "embed")
 
 
+class MoEBlock(nnx.Module):
+    """One scan step of an MoE model: ``moe_every - 1`` dense :class:`Block` s, then
+    ``x + attn(norm(x))`` and ``x + moe(norm(x))``. ``[B,S,D] -> ([B,S,D], aux)``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        dt = jnp.dtype(cfg.param_dtype)
+        self.n_dense = cfg.moe_every - 1
+        if self.n_dense:
+            self.dense = Block(cfg, rngs=rngs, stack=(stack, self.n_dense) if stack is not None
+                               else self.n_dense)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dt, rngs=rngs, stack=stack)
+        self.attn = Attention(cfg, rngs=rngs, stack=stack)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dt, rngs=rngs, stack=stack)
+        self.moe = MoE(cfg, rngs=rngs, stack=stack)
+
+    def __call__(self, x: jax.Array, rope, ops) -> tuple[jax.Array, dict]:
+        if self.n_dense:
+            # unrolled: moe_every is small (2 in GShard and Switch), and a nested scan would hide
+            # these layers' collectives behind a second trip count
+            graphdef, stacked = nnx.split(self.dense)
+            for i in range(self.n_dense):
+                layer = jax.tree.map(lambda a, i=i: a[i], stacked)
+                x = nnx.merge(graphdef, layer)(x, rope, ops)
+        x = x + self.attn(self.attn_norm(x), rope, ops)
+        x = ops.constrain(x, "batch", "residual_seq", "embed")
+        out, aux = self.moe(self.mlp_norm(x), ops)
+        return ops.constrain(x + out, "batch", "residual_seq", "embed"), aux
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, padded_vocab: int, rngs: nnx.Rngs):
         if padded_vocab < cfg.vocab_size:
@@ -48,7 +89,10 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = VocabParallelEmbedding(padded_vocab, cfg.d_model, std=cfg.init_std, dtype=dt,
                                             rngs=rngs)
-        self.blocks = Block(cfg, rngs=rngs, stack=cfg.n_layers)
+        if cfg.n_experts > 0:
+            self.blocks = MoEBlock(cfg, rngs=rngs, stack=cfg.n_layers // cfg.moe_every)
+        else:
+            self.blocks = Block(cfg, rngs=rngs, stack=cfg.n_layers)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, dtype=dt, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = OutputHead(cfg.d_model, padded_vocab, std=cfg.init_std, dtype=dt,
@@ -56,19 +100,28 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, ops, *, remat: str = "none"):
         """Final-norm hidden states ``[B,S,D]`` for ``tokens [B,S]``."""
+        return self.hidden_and_aux(tokens, positions, ops, remat=remat)[0]
+
+    def hidden_and_aux(self, tokens: jax.Array, positions: jax.Array, ops, *,
+                       remat: str = "none") -> tuple[jax.Array, dict | None]:
+        """``(hidden [B,S,D], aux)``: aux is each MoE layer's router outputs stacked along a
+        leading layer dim (``None`` for a dense model)."""
         cfg = self.cfg
         x = self.embed(tokens, ops).astype(jnp.dtype(cfg.compute_dtype))       # (B, S, D)
         x = ops.constrain(x, "batch", "residual_seq", "embed")
         rope = rope_tables(positions, cfg.resolved_head_dim, cfg.rope_theta)
         graphdef, stacked = nnx.split(self.blocks)
 
+        moe = cfg.n_experts > 0
+
         def body(x, layer_params):
             layer_params = ops.gather_layer(layer_params)  # ZeRO-3: this layer's weights, in time
-            return nnx.merge(graphdef, layer_params)(x, rope, ops), None
+            out = nnx.merge(graphdef, layer_params)(x, rope, ops)
+            return out if moe else (out, None)  # MoE: (x, this layer's aux)
 
         body = _remat(body, remat, ops.gathers_layers)
-        x, _ = jax.lax.scan(body, x, stacked)
-        return self.final_norm(x)
+        x, aux = jax.lax.scan(body, x, stacked)
+        return self.final_norm(x), aux
 
     def logits(self, x: jax.Array, ops) -> jax.Array:  # [B,S,D] -> [B,S,V]{vocab-sharded}
         out = self.embed.attend(x, ops) if self.cfg.tie_embeddings else self.head(x, ops)
@@ -76,9 +129,18 @@ class Transformer(nnx.Module):
 
     def token_losses(self, tokens, targets, positions, ops, *, remat: str = "none"):
         """Per-token cross-entropy ``[B,S]`` in fp32."""
-        logits = self.logits(self.hidden(tokens, positions, ops, remat=remat), ops)
-        return vocab_parallel_cross_entropy(logits, targets, vocab_size=self.cfg.vocab_size,
-                                            ops=ops)
+        return self.token_losses_and_aux(tokens, targets, positions, ops, remat=remat)[0]
+
+    def token_losses_and_aux(self, tokens, targets, positions, ops, *,
+                             remat: str = "none") -> tuple[jax.Array, dict]:
+        """``(per-token cross-entropy [B,S], aux)``: aux is ``{}`` for a dense model, else the MoE
+        layers' router outputs summarised over layers (:func:`~jaxtp.layers.moe.summarize_aux`:
+        ``aux_loss`` summed, the statistics averaged), each already the global-batch value."""
+        x, aux = self.hidden_and_aux(tokens, positions, ops, remat=remat)
+        logits = self.logits(x, ops)
+        losses = vocab_parallel_cross_entropy(logits, targets, vocab_size=self.cfg.vocab_size,
+                                              ops=ops)
+        return losses, ({} if aux is None else summarize_aux(aux))
 
 
 # What each ``parallel.remat`` policy saves of a layer for the backward pass (the scan body's

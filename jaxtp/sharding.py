@@ -1,12 +1,15 @@
 """Logical axis names -> mesh axes: one table for parameters, one for activations.
 
-The model speaks logical names only (``batch seq residual_seq embed heads kv_heads head_dim mlp vocab experts
-layers``); these tables are the one place that says which mesh axis splits each name, and this module
-is the only one that writes ``PartitionSpec``s. Tables are plain data passed explicitly (no
-thread-local rules), as MaxText's logical axis rules and Levanter's parameter / compute mappings are.
+The model speaks logical names only (``batch batch_no_expert seq residual_seq embed heads kv_heads
+head_dim mlp vocab experts layers``); these tables are the one place that says which mesh axis
+splits each name, and this module is the only one that writes ``PartitionSpec``s. Tables are plain
+data passed explicitly (no thread-local rules), as MaxText's logical axis rules and Levanter's
+parameter / compute mappings are.
 The Megatron layout (Shoeybi et al. 2019, sec. 3): attention heads and the MLP hidden dim are split
 over ``model`` (column-parallel in, row-parallel out) and so is the vocabulary (vocab-parallel
-embedding and loss); everything else is replicated over ``model``.
+embedding and loss); everything else is replicated over ``model``. Expert parallelism (GShard,
+Lepikhin et al. 2020, sec. 3): the ``experts`` dim of the MoE weights is split over ``expert``,
+and the expert ranks are data ranks for everything else (``batch`` is split over them too).
 """
 
 from __future__ import annotations
@@ -61,23 +64,34 @@ def param_rules(parallel: ParallelConfig) -> Rules:
         "embed": None,
         "head_dim": None,
         "layers": None,
+        "experts": "expert",
     })
 
 
-def activation_rules(parallel: ParallelConfig) -> Rules:
+def activation_rules(parallel: ParallelConfig,
+                     degrees: Mapping[str, int] | None = None) -> Rules:
     """Where each activation dim lives: batch over the data axes, head / mlp / vocab over model.
 
     Two names for the sequence dim: ``seq`` inside attention and the MLP, split over ``context``
     under context parallelism; ``residual_seq`` in the residual stream (block boundaries, norms,
     the embedding output), additionally split over ``model`` under Megatron sequence parallelism
     (Korthikanti et al. 2022, sec. 4.2.2) -- the region plain TP leaves replicated.
+
+    Under expert parallelism ``batch`` is split over ``expert`` as well; the MoE layer's
+    dispatched tokens ``[experts, groups, capacity, embed]`` put ``experts`` on ``expert``, so
+    their groups dim, ``batch_no_expert``, keeps only the data axes. ``degrees`` (the resolved
+    mesh shape) decides when ``parallel.expert`` is -1 (inferred); without it an inferred degree
+    counts as split (a size-1 axis in a spec is harmless).
     """
     seq = "context" if parallel.context != 1 else None
     residual = seq
     if parallel.sequence_parallel:
         residual = ("context", "model") if seq else "model"
+    expert = degrees["expert"] if degrees is not None else parallel.expert
     return _rules({
-        "batch": BATCH_AXES,
+        "batch": BATCH_AXES + ("expert",) if expert != 1 else BATCH_AXES,
+        "batch_no_expert": BATCH_AXES,
+        "experts": "expert",
         "seq": seq,
         "residual_seq": residual,
         "embed": None,

@@ -17,6 +17,8 @@ from flax import nnx
 
 from jaxtp.config import Config
 from jaxtp.engine import Engine, reference_loss_fn
+from jaxtp.engine import build as engine_build
+from jaxtp.engine import reference_params as _reference_params
 
 
 def random_batch(cfg: Config, seed: int = 0) -> dict[str, jax.Array]:
@@ -42,8 +44,24 @@ def unpad(tree, like):
                         tree, like)
 
 
-def reference_loss_and_grad(cfg: Config, params: nnx.State, batch):
-    return jax.jit(jax.value_and_grad(reference_loss_fn(cfg)))(params, batch)
+def reference_loss_and_grad(cfg: Config, params: nnx.State, batch, *, microbatches: int = 1,
+                            with_metrics: bool = False):
+    """Single-device ``(loss, grads)`` (``with_metrics``: ``((loss, metrics), grads)``).
+
+    ``microbatches = m``: the mean over the engine's micro-batches (micro-batch ``k`` holds the
+    rows ``i`` with ``i % m == k`` when every data shard's row count is a multiple of ``m``). The
+    same as the whole batch for a dense model; an MoE model's router loss is then that of each
+    micro-batch, averaged, as the engine computes it.
+    """
+    loss = reference_loss_fn(cfg, with_metrics=with_metrics)
+    if microbatches > 1:
+        m, whole = microbatches, loss
+
+        def loss(params, batch):
+            parts = [whole(params, jax.tree.map(lambda x, k=k: x[k::m], batch))
+                     for k in range(m)]
+            return jax.tree.map(lambda *xs: sum(xs) / m, *parts)
+    return jax.jit(jax.value_and_grad(loss, has_aux=with_metrics))(params, batch)
 
 
 def assert_trees_close(actual, expected, *, rtol: float, atol: float) -> None:
@@ -51,3 +69,38 @@ def assert_trees_close(actual, expected, *, rtol: float, atol: float) -> None:
     for (path, e), a in zip(paths, jax.tree.leaves(actual)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def saved_residuals(cfg: Config, devices=None) -> list[tuple[tuple[int, ...], np.dtype]]:
+    """(per-device shape, dtype) of every activation one device keeps for the backward pass: the
+    residuals ``jax.vjp`` holds for the loss, parameters excluded. Compiled ahead of time from
+    abstract inputs (nothing runs); each residual's per-device shape comes from the sharding XLA
+    gives it."""
+    eng = engine_build(cfg, devices)
+    params, batch = eng.abstract_inputs()
+    loss = eng.loss_fn()
+
+    def residuals(p, b):
+        return jax.tree.leaves(jax.vjp(lambda q: loss(q, b), p)[1])
+
+    compiled = jax.jit(residuals).lower(params, batch).compile()
+    avals = jax.eval_shape(residuals, params, batch)
+    shardings = compiled.output_shardings
+    leaves = jax.tree.leaves(params)
+    # A parameter kept for backward comes back as itself, or, from inside ``shard_map`` (a cast
+    # to varying), as its per-device shard: both are weights, not activations.
+    weights = {(tuple(v.shape), v.dtype) for v in leaves} | \
+        {(tuple(v.sharding.shard_shape(v.shape)), v.dtype) for v in leaves}
+    out = []
+    for a, sharding in zip(avals, shardings):
+        local = tuple(sharding.shard_shape(a.shape))
+        if (tuple(a.shape), a.dtype) in weights or (local, a.dtype) in weights:
+            continue
+        out.append((local, np.dtype(a.dtype)))
+    return out
+
+
+def saved_activation_bytes(cfg: Config, devices=None) -> int:
+    """Bytes of :func:`saved_residuals`. Per layer: the difference between ``model.n_layers`` =
+    L+1 and L (the scan stacks the layer residuals along ``layers``; embedding and loss cancel)."""
+    return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in saved_residuals(cfg, devices))

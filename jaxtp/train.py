@@ -3,9 +3,11 @@
 One step is one ``jax.jit`` call with explicit in / out shardings and a donated state: loss and
 gradients from :class:`jaxtp.engine.Engine` (in either execution mode), then the optax update.
 The loop logs ``loss``, ``tokens_per_s`` and ``mfu`` to ``<out_dir>/metrics.jsonl`` (eval records
-carry ``eval_loss``) and plots the loss curve at the end. MFU is model FLOPs per second (the analytic
-``6 N T`` + attention count of :func:`jaxtp.inspect.analytic_flops`) over the devices' peak: a
-hardware table for accelerators, and on CPU a peak measured once with a large matmul.
+carry ``eval_loss``) and plots the loss curve at the end; an MoE model's records also carry its
+router metrics (``lm_loss``, ``aux_loss``, ``dropped_fraction``, ``expert_load``). MFU is model
+FLOPs per second (the analytic ``6 N T`` + attention count of :func:`jaxtp.inspect.analytic_flops`)
+over the devices' peak: a hardware table for accelerators, and on CPU a peak measured once with a
+large matmul.
 """
 
 from __future__ import annotations
@@ -111,19 +113,23 @@ class Trainer:
 
     def step_fn(self, state: TrainState):
         """The jitted ``(state, batch) -> (state, metrics)``, state donated."""
-        value_and_grad = self.engine.value_and_grad_fn()
+        moe = self.engine.moe
+        value_and_grad = self.engine.value_and_grad_fn(with_metrics=moe)
         tx = self.tx
         moments = self.engine.moment_shardings
 
         def step(state: TrainState, batch):
-            loss, grads = value_and_grad(state.params, batch)
+            if moe:  # the router's losses, drop rate and per-expert load
+                loss, grads, extra = value_and_grad(state.params, batch)
+            else:
+                (loss, grads), extra = value_and_grad(state.params, batch), {}
             # ZeRO >= 1: each data rank updates only its moment shard (a local slice of the
             # gradient, no communication); the new parameters are all-gathered where stage < 3.
             grads = jax.lax.with_sharding_constraint(grads, moments)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             updates = jax.lax.with_sharding_constraint(updates, moments)
             params = optax.apply_updates(state.params, updates)
-            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **extra}
             return TrainState(params, opt_state, state.step + 1), metrics
 
         shardings = self.state_shardings(state)
@@ -137,6 +143,26 @@ class Trainer:
         sharding = self.engine.batch_sharding
         return {k: jax.make_array_from_process_local_data(sharding, v)
                 for k, v in local_batch.items()}
+
+
+MOE_METRICS = ("lm_loss", "aux_loss", "load_balancing_loss", "z_loss", "dropped_fraction",
+               "expert_load")
+
+
+def _moe_record(metrics: dict) -> dict:
+    """The MoE fields of a metrics record (none for a dense model): ``loss`` is the training loss
+    (LM + router losses), ``lm_loss`` the next-token part, ``aux_loss`` the router losses summed
+    over layers, ``dropped_fraction`` the share of token-to-expert assignments over capacity,
+    ``expert_load`` each expert's share of the assignments (averaged over layers) and
+    ``expert_load_max`` its largest entry times n_experts (1 = perfectly balanced)."""
+    rec = {}
+    for k in MOE_METRICS:
+        if k in metrics:
+            v = np.asarray(metrics[k])
+            rec[k] = [float(x) for x in v] if v.ndim else float(v)
+    if "expert_load" in rec:
+        rec["expert_load_max"] = max(rec["expert_load"]) * len(rec["expert_load"])
+    return rec
 
 
 def _plot(records: list[dict], path: Path) -> None:
@@ -254,6 +280,7 @@ def run(cfg: Config, devices=None) -> list[dict]:
                    "lr": float(optim.schedule(t)(step - 1)),
                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                    "mfu": flops_per_step / dt / peak}
+            rec.update(_moe_record(metrics))
             if first_window:  # the first window includes compilation
                 rec["includes_compile"] = True
                 first_window = False
@@ -281,4 +308,8 @@ def run(cfg: Config, devices=None) -> list[dict]:
               f"eval loss {last.get('eval_loss', float('nan')):.3f}, "
               f"{last['tokens_per_s']:.0f} tokens/s, MFU {100 * last['mfu']:.2f}%; metrics in "
               f"{metrics_path}, curve in {out / 'loss.png'}")
+        if "aux_loss" in last:
+            print(f"moe: lm loss {last['lm_loss']:.3f}, router aux loss {last['aux_loss']:.4f}, "
+                  f"dropped {100 * last['dropped_fraction']:.1f}% of assignments, max expert "
+                  f"load {last['expert_load_max']:.2f} x uniform")
     return records

@@ -11,15 +11,17 @@ from flax import nnx
 
 
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], *,
-          std: float | None, dtype, stack: int | None = None) -> nnx.Param:
-    """A parameter of ``shape`` named ``names``; ``stack`` prepends a ``layers`` dim for the scan.
+          std: float | None, dtype, stack: int | tuple[int, ...] | None = None) -> nnx.Param:
+    """A parameter of ``shape`` named ``names``; ``stack`` prepends a ``layers`` dim for the scan
+    (a tuple prepends one per entry: e.g. the dense layers stacked inside each scanned MoE group).
 
     ``std=None`` initialises to ones (norm scales); otherwise a normal with that std. A ``None``
     name marks a dim that is never sharded (e.g. the q/k/v slot of the fused QKV weight).
     """
     shape, names = tuple(shape), tuple(names)
     if stack is not None:
-        shape, names = (stack, *shape), ("layers", *names)
+        stack = (stack,) if isinstance(stack, int) else tuple(stack)
+        shape, names = (*stack, *shape), (*("layers",) * len(stack), *names)
     if std is None:
         value = jnp.ones(shape, dtype)
     else:
