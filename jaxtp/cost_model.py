@@ -197,8 +197,10 @@ def layer_activation_bytes(s: Shape, *, remat: str, b: int, s_loc: int, t: int, 
     unless SP) + 24N / t + 5A / t; selective drops 5A; full keeps the 2N block input.
     ``jaxtp``, re-derived from what JAX's autodiff saves for this implementation (no dropout,
     RMSNorm in fp32, e = compute-dtype bytes, r = kv_heads / heads, F = d_ff / h):
-    none: 2 (8 + e) N [two norms: fp32 input and normalised, compute-dtype output] +
-    (e N (2 + 2r + 6F) [q, k, v, attention out, six MLP-wide tensors] + (4 + e) A [fp32 scores,
+    none: 2 e N / (t if SP) [the two norms' inputs; the norms are recomputed in backward] +
+    2 e N [their outputs, the column-parallel inputs -- whole even under SP, where they are the
+    all-gathered tensors] + (e N (2 + 2r + F_act) [q, k, v, attention out; the up projection's
+    output and the activation, F_act = 2F for GELU, 3F for SwiGLU] + (4 + e) A [fp32 scores,
     probabilities]) / t; selective: 2eN + e N (1 + 2r + F_up) / t [block input, the linear layers'
     outputs; F_up = 2F for SwiGLU]; dots_saveable adds the two attention matmuls; full: eN.
     ``ring``: ring attention (context parallelism) or flash attention keeps no A term.
@@ -215,7 +217,8 @@ def layer_activation_bytes(s: Shape, *, remat: str, b: int, s_loc: int, t: int, 
     r, f = s.kv_heads / s.heads, s.d_ff / h
     f_up = 2 * f if s.gated else f
     if remat == "none":
-        return 2 * (8 + e) * n / rep + (e * n * (2 + 2 * r + 6 * f) + (4 + e) * a) / t
+        f_act = 3 * f if s.gated else 2 * f
+        return 2 * e * n / rep + 2 * e * n + (e * n * (2 + 2 * r + f_act) + (4 + e) * a) / t
     if remat == "selective":
         return 2 * e * n / rep + e * n * (1 + 2 * r + f_up) / t
     if remat == "dots_saveable":
@@ -229,11 +232,11 @@ def loss_region_bytes(s: Shape, *, b: int, s_loc: int, t: int, ring: bool, remat
     n, e, v = b * s_loc * s.d_model, s.compute_bytes, s.padded_vocab(t)
     if activations == "megatron":
         return 4 * n + 4 * b * s_loc * v / t  # final norm input, fp32 logits
-    # embedding rows (fp32) and their mask, final norm as above, logits: two fp32 copies, the
-    # softmax shift, two boolean masks; without recompute, the causal mask XLA's attention
+    # embedding rows (fp32) and their mask, final norm input and output, logits: two fp32 copies,
+    # the softmax shift, two boolean masks; without recompute, the causal mask XLA's attention
     # builds once (bool + fp32) is kept too
     mask = 0.0 if ring or remat != "none" else 5 * s.heads * b * s_loc * s.seq / t
-    return (5 + 8 + e) * n + 14 * b * s_loc * v / t + mask
+    return (5 + 2 * e) * n + 14 * b * s_loc * v / t + mask
 
 
 def in_flight(layout: Layout) -> float:

@@ -27,3 +27,14 @@ def test_zero_memory_quick(tmp_path):
     assert "| 3 | 1.88 | 1.88 | True |" in proc.stdout
     assert (tmp_path / "zero_memory_quick.md").is_file()
     assert (tmp_path / "zero_memory_quick.png").is_file()
+
+
+def test_activation_memory_quick(tmp_path):
+    """Exits non-zero unless the attention, MLP and (without SP) residual terms of the measured
+    saved activations equal the adapted Korthikanti formula."""
+    proc = subprocess.run(
+        [sys.executable, "experiments/activation_memory.py", "--quick", "--out", str(tmp_path)],
+        cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "activation_memory_quick.md").is_file()
+    assert (tmp_path / "activation_memory_quick.png").is_file()

@@ -134,3 +134,33 @@ def test_cp_census(mode, cp):
 def test_sequence_not_divisible_is_a_clear_error(overrides, match):
     with pytest.raises(ConfigError, match=match):
         engine.build(config.load("tiny", overrides))
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+def _saved_per_layer(overrides, n_devices):
+    import jax
+
+    base = ["parallel.mode=explicit", "parallel.data=1", "train.batch_size=4", *overrides]
+    return (testing.saved_activation_bytes(config.load("tiny", [*base, "model.n_layers=3"]),
+                                           jax.devices()[:n_devices])
+            - testing.saved_activation_bytes(config.load("tiny", [*base, "model.n_layers=2"]),
+                                             jax.devices()[:n_devices]))
+
+
+def test_saved_activations_fall_by_about_t_with_sp_and_stay_flat_with_cp():
+    """Per layer, per device, the residuals ``jax.vjp`` keeps (experiments/activation_memory.py
+    has the term-by-term table). SP divides everything by t except the two all-gathered inputs of
+    the column-parallel linears, which are kept whole (Megatron re-gathers them in backward
+    instead; that would add an all-gather per linear to the backward census), hence "about"."""
+    t = 4
+    alone = _saved_per_layer([], 1)
+    tp = _saved_per_layer([f"parallel.model={t}"], t)
+    sp = _saved_per_layer([f"parallel.model={t}", *SP], t)
+    assert sp < tp < alone
+    assert 0.8 * t < alone / sp <= t
+    # s and cp grow together: each device keeps the same bytes
+    long = ["model.max_seq_len=256", "parallel.context_layout=zigzag"]
+    cp2 = _saved_per_layer([*long, "parallel.context=2", "train.seq_len=128"], 2)
+    cp4 = _saved_per_layer([*long, "parallel.context=4", "train.seq_len=256"], 4)
+    assert cp2 == cp4

@@ -1,7 +1,15 @@
 """RMSNorm (Zhang & Sennrich 2019), computed in fp32. Replicated over ``model`` (the paper's
-"block inputs and norms stay replicated" region)."""
+"block inputs and norms stay replicated" region), or split along the sequence under Megatron SP.
+
+The norm is elementwise work: its backward recomputes it from the input (``jax.checkpoint``), so a
+layer keeps only the norm's input and, as the next linear's input, its output -- Korthikanti et
+al.'s 2 sbh per norm -- rather than also the fp32 normalised value autodiff would save for the
+scale's gradient.
+"""
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +24,11 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B,S,D] -> [B,S,D]
-        x32 = x.astype(jnp.float32)
-        inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * inv * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return _rms_norm(x, self.scale[...], self.eps)
+
+
+@partial(jax.checkpoint, static_argnums=(2,), prevent_cse=False)
+def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * inv * scale.astype(jnp.float32)).astype(x.dtype)
