@@ -1,0 +1,333 @@
+"""Pipeline runtime: execute a :mod:`jaxtp.schedules` table over the ``pipeline`` mesh axis.
+
+Pipeline parallelism (GPipe, Huang et al. 2019; 1F1B / PipeDream-Flush, Narayanan et al. 2019;
+interleaved 1F1B, Narayanan et al. 2021, sec. 2.2) cuts the model into ``p * v`` stages, stage
+``k`` on pipeline rank ``k % p`` as its chunk ``k // p``, and streams ``m`` micro-batches through
+them. :mod:`jaxtp.schedules` decides *when* each rank runs which forward (``F``) or backward
+(``B``) pass; this module turns that table into one SPMD program and runs it. The table becomes,
+per rank and per tick, a row of small integers (:class:`Program`): which branch to take (idle,
+or ``F`` / ``B`` of a first, middle or last stage — the first may embed raw inputs, the last adds
+the loss), which chunk and micro-batch,
+which activation-buffer slot to read, and into which slots to write what arrives from the
+neighbours at the end of the tick. A ``lax.scan`` over ticks reads this rank's row, runs the pass
+under ``lax.switch`` (idle ticks do no math) and then does exactly two ``ppermute``s over
+``pipeline``: the forward output to rank ``r + 1`` and the input cotangent to rank ``r - 1``
+(cyclic when interleaved, so the last rank's chunk ``c`` feeds rank 0's chunk ``c + 1``). Nothing
+else crosses ``pipeline`` but the scalar loss.
+
+Memory: a rank keeps each stage input it received until that micro-batch's backward, in a
+fixed-size buffer whose slots are assigned statically from the table (interval colouring of
+arrival-to-backward lifetimes), so GPipe needs ``m`` slots and 1F1B about ``p``, whatever ``m``
+— the point of 1F1B. The backward pass recomputes its stage's forward (``jax.vjp`` at backward
+time, "full recompute" per stage as in GPipe sec. 2.3): only stage inputs are stored, never the
+stage's internal activations. Stage 0 reads its inputs from ``microbatches`` and stores nothing.
+Optionally the pipeline owns the embedding (``embed_fn`` on stage 0) and the loss head
+(``head_params`` of ``loss_fn`` on the last stage), whose gradients are summed over ``pipeline``
+once per step, so a whole language model runs with only its blocks split into stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtp.schedules import Schedule, ScheduleError, check
+
+PIPELINE = "pipeline"
+
+# columns of Program.rows
+KIND, CHUNK, MICROBATCH, ACT_SLOT, GRAD_SLOT, RECV_ACT, RECV_GRAD = range(7)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A schedule compiled to per-rank integer rows: ``rows[tick, rank, column]``.
+
+    Columns: ``KIND`` (``lax.switch`` branch: 0 idle, ``1 + i`` for ``passes[i]``), ``CHUNK``,
+    ``MICROBATCH``, ``ACT_SLOT`` (activation slot the pass reads its stage input from; -1: stage 0,
+    read ``microbatches``), ``GRAD_SLOT`` (slot of the
+    output cotangent a ``B`` reads; -1: the last stage, seeded by the loss), ``RECV_ACT`` /
+    ``RECV_GRAD`` (slot to store what arrives from rank ``r - 1`` / ``r + 1`` at the end of the
+    tick; -1: nothing arrives).
+    """
+
+    schedule: Schedule
+    rows: np.ndarray        # int32 [ticks, p, 7]
+    passes: tuple[tuple[str, bool, bool], ...]  # (kind, first stage?, last stage?) per branch
+    act_slots: int          # activation buffer size (stage inputs held per rank)
+    grad_slots: int         # cotangent buffer size
+
+    @property
+    def cyclic(self) -> bool:
+        return self.schedule.v > 1
+
+
+def check_pipeline(name: str, p: int, m: int, v: int = 1) -> None:
+    """Raise :class:`ScheduleError` (a ``ValueError``) for a combination the runtime does not run:
+    the schedule's own checks, plus 1F1B / interleaved with fewer micro-batches than stages."""
+    check(name, p, m, v)
+    if name in ("1f1b", "interleaved") and m < p:
+        raise ScheduleError(f"{name} schedule: microbatches={m} is fewer than pipeline={p} stages, "
+                            f"so the pipeline never reaches its steady state; use microbatches "
+                            f">= {p} (or pipeline_schedule=gpipe)")
+
+
+def _assign_slots(lifetimes: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Interval colouring: ``(written at end of tick a, last read at tick b, key)`` -> slot.
+    A slot read for the last time at tick ``b`` can take a value written at the end of ``b``."""
+    free_at: list[int] = []  # per slot, the tick of its occupant's last read
+    slot_of = {}
+    for a, b, key in sorted(lifetimes):
+        for s, end in enumerate(free_at):
+            if end <= a:
+                break
+        else:
+            s = len(free_at)
+            free_at.append(0)
+        free_at[s] = b
+        slot_of[key] = s
+    return slot_of, len(free_at)
+
+
+def compile_schedule(schedule: Schedule) -> Program:
+    """The per-rank program of ``schedule``: branch and buffer slots for every (tick, rank)."""
+    s = schedule
+    check_pipeline(s.name, s.p, s.m, s.v)
+    p, n_stages = s.p, s.p * s.v
+    at = {(t.kind, t.stage, t.microbatch): t.tick for t in s.table}
+    acts = [[] for _ in range(p)]   # per rank: lifetimes of received stage inputs
+    grads = [[] for _ in range(p)]  # per rank: lifetimes of received output cotangents
+    for t in s.table:
+        if t.kind == "F" and t.stage + 1 < n_stages:
+            k = t.stage + 1
+            acts[k % p].append((t.tick, at[("B", k, t.microbatch)], (k, t.microbatch)))
+        if t.kind == "B" and t.stage > 0:
+            k = t.stage - 1
+            grads[k % p].append((t.tick, at[("B", k, t.microbatch)], (k, t.microbatch)))
+    act_slot, grad_slot, n_act, n_grad = {}, {}, 1, 1
+    for r in range(p):
+        slots, n = _assign_slots(acts[r])
+        act_slot.update(slots)
+        n_act = max(n_act, n)
+        slots, n = _assign_slots(grads[r])
+        grad_slot.update(slots)
+        n_grad = max(n_grad, n)
+    rows = np.full((s.ticks, p, 7), -1, np.int32)
+    rows[:, :, KIND] = rows[:, :, CHUNK] = rows[:, :, MICROBATCH] = 0
+    passes = sorted({(t.kind, t.stage == 0, t.stage == n_stages - 1) for t in s.table})
+    for t in s.table:
+        first, last = t.stage == 0, t.stage == n_stages - 1
+        key = (t.stage, t.microbatch)
+        row = rows[t.tick, t.device]
+        row[KIND] = 1 + passes.index((t.kind, first, last))
+        row[CHUNK], row[MICROBATCH] = t.chunk, t.microbatch
+        if not first:
+            row[ACT_SLOT] = act_slot[key]
+        if t.kind == "B" and not last:
+            row[GRAD_SLOT] = grad_slot[key]
+        if t.kind == "F" and not last:  # arrives at the next rank at the end of this tick
+            rows[t.tick, (t.stage + 1) % p, RECV_ACT] = act_slot[(t.stage + 1, t.microbatch)]
+        if t.kind == "B" and not first:
+            rows[t.tick, (t.stage - 1) % p, RECV_GRAD] = grad_slot[(t.stage - 1, t.microbatch)]
+    return Program(schedule=s, rows=rows, passes=tuple(passes), act_slots=n_act,
+                   grad_slots=n_grad)
+
+
+def stages_to_ranks(stacked, p: int, v: int = 1):
+    """Leaves ``[p * v, ...]`` in model-stage order -> rank-major order (rank ``d``'s chunks
+    ``0 .. v-1`` contiguous), so that sharding dim 0 over ``pipeline`` gives each rank its
+    ``[v, ...]`` chunk parameters. Stage ``k`` = chunk ``k // p`` of rank ``k % p``."""
+    def f(a):
+        a = jnp.asarray(a)
+        return a.reshape(v, p, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return jax.tree.map(f, stacked)
+
+
+def ranks_to_stages(per_rank, p: int, v: int = 1):
+    """Inverse of :func:`stages_to_ranks` (e.g. for gradients)."""
+    def f(a):
+        a = jnp.asarray(a)
+        return a.reshape(p, v, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return jax.tree.map(f, per_rank)
+
+
+def _vma(x) -> frozenset[str]:
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def _vary(x, axes):
+    """``pcast`` to varying over those of ``axes`` that ``x`` does not already vary over."""
+    missing = tuple(a for a in sorted(axes) if a not in _vma(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+class PipelineGrads(NamedTuple):
+    """Gradients when the pipeline also owns the embedding (stage 0) and the loss head (last
+    stage); ``embed`` / ``head`` are ``None`` when not given, and summed over ``axis``."""
+
+    stages: Any
+    embed: Any
+    head: Any
+
+
+def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
+                            microbatches: tuple[jax.Array, jax.Array], *,
+                            schedule: Schedule, axis: str = PIPELINE,
+                            embed_fn: Callable | None = None, embed_params=None,
+                            head_params=None):
+    """``(loss, grads)`` of the ``p * v``-stage model run by ``schedule``, per rank, inside
+    ``jax.shard_map`` over ``axis``.
+
+    - ``stage_params``: this rank's chunks, a pytree whose leaves are ``[v, ...]`` (``v = 1``
+      unless interleaved); :func:`stages_to_ranks` lays out a stage-stacked model for
+      ``P(axis)``.
+    - ``stage_fn(chunk_params, x) -> y``: one stage, ``x`` and ``y`` both ``[b, s, h]`` (any
+      shape, the same in and out).
+    - ``loss_fn(y, target) -> scalar`` (``loss_fn(head_params, y, target)`` when ``head_params``
+      is given): applied to the last stage's output of each micro-batch.
+    - ``microbatches = (inputs [m, b, s, h], targets [m, ...])``: read by stage 0 / the last
+      stage only (every rank may hold them; nothing is scattered over ``axis`` yet). With
+      ``embed_fn``, ``inputs`` are raw (e.g. token ids ``[m, b, s]``) and stage 0 runs
+      ``embed_fn(embed_params, inputs[i]) -> x [b, s, h]`` first.
+
+    Returns the mean loss over the ``m`` micro-batches (summed over ``axis``, so every rank has
+    it) and this rank's gradient, shaped like ``stage_params`` — or, when ``embed_fn`` or
+    ``head_params`` is given, a :class:`PipelineGrads` whose ``embed`` / ``head`` gradients are
+    summed over ``axis`` (one all-reduce per step; only rank 0 / rank ``p - 1`` contribute).
+    All are this rank's *local* values over the other mesh axes: parameters are cast to vary over
+    the batch axes of the inputs up front, so no gradient sync happens per tick; reduce over
+    ``data`` once, outside (``collectives.sync_grads`` / ``pmean``). Equal to
+    ``jax.value_and_grad`` of running all stages in order on each micro-batch and averaging.
+    """
+    inputs, targets = microbatches
+    s = schedule
+    prog = compile_schedule(s)
+    if (embed_fn is None) != (embed_params is None):
+        raise ValueError("embed_fn and embed_params go together: pass both or neither")
+    if inputs.shape[0] != s.m or targets.shape[0] != s.m:
+        raise ScheduleError(f"microbatches have leading dims {inputs.shape[0]} (inputs) and "
+                            f"{targets.shape[0]} (targets) but the schedule was built for m={s.m}; "
+                            f"reshape the batch to [{s.m}, ...] or rebuild the schedule")
+    if jax.lax.axis_size(axis) != s.p:
+        raise ScheduleError(f"schedule is for pipeline={s.p} but mesh axis {axis!r} has size "
+                            f"{jax.lax.axis_size(axis)}; build it with p={jax.lax.axis_size(axis)}")
+    bad = [x.shape for x in jax.tree.leaves(stage_params) if x.shape[:1] != (s.v,)]
+    if bad:
+        raise ScheduleError(f"stage_params leaves must have a leading chunk dim v={s.v} per rank; "
+                            f"got shapes {bad[:3]} (lay them out with stages_to_ranks)")
+
+    # Activations, cotangents and the loss vary over `axis` and the batch axes; parameters also,
+    # so each tick's parameter cotangent stays local (no psum inside the loop).
+    batch_vma = _vma(inputs) | _vma(targets) | {axis}
+    inputs, targets = _vary(inputs, batch_vma), _vary(targets, batch_vma)
+
+    def local(tree):
+        return jax.tree.map(lambda a: _vary(a, batch_vma), tree)
+
+    params, eparams, hparams = local(stage_params), local(embed_params), local(head_params)
+    has_head, scale = head_params is not None, 1.0 / s.m
+
+    def embed(ep, raw):
+        return raw if embed_fn is None else embed_fn(ep, raw)
+
+    x_aval = jax.eval_shape(embed, eparams, inputs[0])
+    x_shape, x_dtype = x_aval.shape, x_aval.dtype
+
+    def zeros(shape, dtype, vma):
+        return _vary(jnp.zeros(shape, dtype), vma)
+
+    def zeros_like(tree):
+        return jax.tree.map(lambda a: zeros(a.shape, a.dtype, _vma(a)), tree)
+
+    def chunk_of(c):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False),
+                            params)
+
+    def stage(pc, x):
+        y = stage_fn(pc, x)
+        if y.shape != x.shape or y.dtype != x.dtype:
+            raise ValueError(f"stage_fn must map activations to the same shape and dtype: "
+                             f"{x.shape} {x.dtype} -> {y.shape} {y.dtype}")
+        return y
+
+    def add_chunk(grads, c, dp):
+        return jax.tree.map(lambda g, d: jax.lax.dynamic_update_index_in_dim(
+            g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + d, c, 0), grads, dp)
+
+    def add(acc, d):
+        return jax.tree.map(jnp.add, acc, d)
+
+    nothing = zeros(x_shape, x_dtype, batch_vma)
+    zero_loss = zeros((), jnp.float32, batch_vma)
+
+    def branch(kind: str, first: bool, last: bool):
+        """One pass: (chunk, raw input, stage input, output cotangent, target, grads) -> (y to
+        send on, dx to send back, loss, grads). ``B`` recomputes the stage forward."""
+        def run(pc, ep, hp, x, raw, tgt):
+            y = stage(pc, embed(ep, raw) if first else x)
+            if not last:
+                return y
+            return (loss_fn(hp, y, tgt) if has_head else loss_fn(y, tgt)) * scale
+
+        def fn(c, raw, x, g, tgt, acc):
+            sg, eg, hg = acc
+            if kind == "F":
+                out = run(chunk_of(c), eparams, hparams, x, raw, tgt)
+                if last:
+                    return nothing, nothing, _vary(out.astype(jnp.float32), batch_vma), acc
+                return _vary(out, batch_vma), nothing, zero_loss, acc
+            out, vjp = jax.vjp(lambda pc, ep, hp, x: run(pc, ep, hp, x, raw, tgt),
+                               chunk_of(c), eparams, hparams, x)
+            dpc, dep, dhp, dx = vjp(jnp.ones_like(out) if last else g)
+            sg = add_chunk(sg, c, dpc)
+            eg = add(eg, dep) if first and eg is not None else eg
+            hg = add(hg, dhp) if last and hg is not None else hg
+            return nothing, (nothing if first else _vary(dx, batch_vma)), zero_loss, (sg, eg, hg)
+        return fn
+
+    def idle(c, raw, x, g, tgt, acc):
+        return nothing, nothing, zero_loss, acc
+
+    branches = [idle] + [branch(*k) for k in prog.passes]
+    n_pairs = s.p if prog.cyclic else s.p - 1
+    fwd_perm = [(r, (r + 1) % s.p) for r in range(n_pairs)]
+    bwd_perm = [((r + 1) % s.p, r) for r in range(n_pairs)]
+
+    def read(buf, slot):
+        return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(slot, 0), 0, keepdims=False)
+
+    def write(buf, slot, value):  # slot -1: keep the buffer as it is
+        i = jnp.maximum(slot, 0)
+        return jax.lax.dynamic_update_index_in_dim(
+            buf, jnp.where(slot >= 0, value, read(buf, i)), i, 0)
+
+    def tick(carry, row):
+        acts, cots, acc, loss = carry                                # acts: [A, b, s, h]
+        mb = row[MICROBATCH]
+        raw = jax.lax.dynamic_index_in_dim(inputs, mb, 0, keepdims=False)   # stage 0's input
+        tgt = jax.lax.dynamic_index_in_dim(targets, mb, 0, keepdims=False)
+        x, g = read(acts, row[ACT_SLOT]), read(cots, row[GRAD_SLOT])      # [b, s, h] each
+        y, dx, dloss, acc = jax.lax.switch(row[KIND], branches, row[CHUNK], raw, x, g, tgt, acc)
+        if s.p > 1:
+            y = jax.lax.ppermute(y, axis, fwd_perm)                  # rank r -> r + 1
+            dx = jax.lax.ppermute(dx, axis, bwd_perm)                # rank r -> r - 1
+        acts = write(acts, row[RECV_ACT], y)
+        cots = write(cots, row[RECV_GRAD], dx)
+        return (acts, cots, acc, loss + dloss), None
+
+    rank = jax.lax.axis_index(axis)
+    rows = jnp.take(jnp.asarray(prog.rows), rank, axis=1)           # [ticks, 7]: this rank's
+    carry = (zeros((prog.act_slots, *x_shape), x_dtype, batch_vma),
+             zeros((prog.grad_slots, *x_shape), x_dtype, batch_vma),
+             (zeros_like(params), zeros_like(eparams), zeros_like(hparams)), zero_loss)
+    (_, _, (grads, egrads, hgrads), loss), _ = jax.lax.scan(tick, carry, rows)
+    loss = jax.lax.psum(loss, axis)
+    if embed_fn is None and not has_head:
+        return loss, grads
+    total = (lambda t: None if t is None else jax.tree.map(lambda a: jax.lax.psum(a, axis), t))
+    return loss, PipelineGrads(stages=grads, embed=total(egrads), head=total(hgrads))

@@ -1,0 +1,229 @@
+"""The pipeline runtime (jaxtp/pipeline.py) against a sequential single-device reference: every
+schedule's loss and gradients equal ``jax.value_and_grad`` of all ``p * v`` stages applied in order
+(fp32), only ``ppermute``s cross ``pipeline`` (two per tick), the data-parallel gradient sync runs
+once per step, and 1F1B's compiled temporaries do not grow with the micro-batch count while
+GPipe's do."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxtp import collectives, hlo, schedules
+from jaxtp import pipeline as pl
+from jaxtp.config import ParallelConfig
+from jaxtp.mesh import build_mesh
+from jaxtp.schedules import ScheduleError
+
+B, S, H, F = 4, 4, 16, 32  # global batch (split over `data`), seq, hidden, mlp
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def stage_fn(w, x):  # a residual MLP block: [b, s, h] -> [b, s, h]
+    return x + jnp.tanh(x @ w["w1"]) @ w["w2"]
+
+
+def loss_fn(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _model(n_stages, m, seed=0, b=B, s=S, h=H, f=F):
+    rng = np.random.default_rng(seed)
+    params = {"w1": jnp.asarray(rng.normal(size=(n_stages, h, f)) / 4, jnp.float32),
+              "w2": jnp.asarray(rng.normal(size=(n_stages, f, h)) / 4, jnp.float32)}
+    inputs, targets = (jnp.asarray(rng.normal(size=(m, b, s, h)), jnp.float32) for _ in "xt")
+    return params, inputs, targets
+
+
+def _reference(params, inputs, targets):
+    """All stages in order on each micro-batch, mean loss over micro-batches."""
+    n = jax.tree.leaves(params)[0].shape[0]
+
+    def loss(params):
+        def one(x, t):
+            for k in range(n):
+                x = stage_fn(jax.tree.map(lambda a, k=k: a[k], params), x)
+            return loss_fn(x, t)
+        return jnp.mean(jax.vmap(one)(inputs, targets))
+    return jax.value_and_grad(loss)(params)
+
+
+def _pipelined(mesh, schedule, stage=stage_fn, param_spec=None):
+    """Global (rank-major params, inputs, targets) -> (loss, rank-major grads); the batch is split
+    over `data` and the gradients are averaged over it once, after the pipeline."""
+    def local(w, x, t):
+        loss, grads = pl.pipeline_value_and_grad(stage, loss_fn, w, (x, t), schedule=schedule)
+        return jax.lax.pmean((loss, grads), "data")
+    batch, param_spec = P(None, "data"), P("pipeline") if param_spec is None else param_spec
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(param_spec, batch, batch),
+                                 out_specs=(P(), param_spec)))
+
+
+def _mesh(p, **others):
+    return build_mesh(ParallelConfig(pipeline=p, data=-1, **others))
+
+
+CASES = [(name, p, m, 2 if name == "interleaved" else 1)
+         for name in schedules.SCHEDULES for p in (2, 4) for m in (p, 2 * p)]
+
+
+@pytest.mark.parametrize("name, p, m, v", CASES)
+def test_matches_sequential_reference_and_census(name, p, m, v):
+    params, inputs, targets = _model(p * v, m)
+    mesh, schedule = _mesh(p), schedules.build(name, p, m, v)
+    f = _pipelined(mesh, schedule)
+    w = pl.stages_to_ranks(params, p, v)
+    compiled = f.lower(w, inputs, targets).compile()
+    loss, grads = compiled(w, inputs, targets)
+    want_loss, want = _reference(params, inputs, targets)
+    chex.assert_trees_all_equal_shapes(grads, w)
+    np.testing.assert_allclose(loss, want_loss, **TOL)
+    for k, g in pl.ranks_to_stages(grads, p, v).items():
+        np.testing.assert_allclose(g, want[k], **TOL, err_msg=k)
+
+    text = compiled.as_text()
+    assert " conditional(" in text  # each tick runs only its own pass (idle ticks: none)
+    ops = hlo.collectives(text, dict(mesh.shape))
+    over_pipeline = [o for o in ops if "pipeline" in o.axes]
+    permutes = sum(o.executions for o in over_pipeline if o.kind == "collective-permute")
+    assert permutes == 2 * schedule.ticks  # activation forward, cotangent backward, every tick
+    # nothing else crosses `pipeline` but the 4-byte loss: no activation gather / reduce
+    assert [o.bytes for o in over_pipeline if o.kind != "collective-permute"] == [4]
+    # the data-parallel gradient sync runs once per step, not once per tick or micro-batch
+    assert all(o.executions == 1 for o in ops if o.axes == ("data",))
+
+
+def test_tensor_parallel_inside_a_stage():
+    """Megatron f / g inside ``stage_fn`` (w1 column-, w2 row-parallel over `model`): the
+    activations the pipeline carries stay replicated over `model`; pipeline=2 x data=2 x model=2."""
+    p, m = 2, 4
+    params, inputs, targets = _model(p, m, seed=1)
+
+    def tp_stage(w, x):
+        h = jnp.tanh(collectives.copy_to_model(x) @ w["w1"])       # [b, s, F/t]
+        return x + collectives.reduce_from_model(h @ w["w2"])      # [b, s, h]
+
+    spec = {"w1": P("pipeline", None, "model"), "w2": P("pipeline", "model", None)}
+    f = _pipelined(_mesh(p, model=2), schedules.build("1f1b", p, m), tp_stage, spec)
+    loss, grads = f(params, inputs, targets)  # v = 1: rank-major == stage order
+    want_loss, want = _reference(params, inputs, targets)
+    np.testing.assert_allclose(loss, want_loss, **TOL)
+    for k in want:
+        np.testing.assert_allclose(grads[k], want[k], **TOL, err_msg=k)
+
+
+def test_stage_layout_round_trip():
+    p, v = 4, 2
+    stacked = {"w": jnp.arange(p * v)}
+    ranks = pl.stages_to_ranks(stacked, p, v)["w"]
+    # rank d holds [stage d, stage p + d]: chunk c of rank d is stage c * p + d
+    np.testing.assert_array_equal(ranks.reshape(p, v), [[0, 4], [1, 5], [2, 6], [3, 7]])
+    np.testing.assert_array_equal(pl.ranks_to_stages({"w": ranks}, p, v)["w"], stacked["w"])
+
+
+@pytest.mark.parametrize("m", [4, 8, 16])
+def test_buffer_slots(m):
+    """Stage inputs held per rank, counted from arrival to backward: GPipe all m, 1F1B p
+    (rank 1 holds p - 1 in flight plus the one waiting for its forward), whatever m."""
+    p = 4
+    assert pl.compile_schedule(schedules.build("gpipe", p, m)).act_slots == m
+    assert pl.compile_schedule(schedules.build("1f1b", p, m)).act_slots == p
+    one = pl.compile_schedule(schedules.build("1f1b", p, m))
+    assert one.grad_slots == 1  # a cotangent is consumed the tick after it arrives
+    if m >= 8:
+        assert (pl.compile_schedule(schedules.build("interleaved", p, m, 2)).act_slots
+                == pl.compile_schedule(schedules.build("interleaved", p, 8, 2)).act_slots)
+
+
+def _temp_bytes(name, p, m, b, s, h, f):
+    mesh = _mesh(p)
+    x = jax.ShapeDtypeStruct((m, b, s, h), jnp.float32)
+    w = {"w1": jax.ShapeDtypeStruct((p, h, f), jnp.float32),
+         "w2": jax.ShapeDtypeStruct((p, f, h), jnp.float32)}
+    compiled = _pipelined(mesh, schedules.build(name, p, m)).lower(w, x, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_memory_flat_in_m_gpipe_grows():
+    """Compiled temporaries at p=4 (data=2): GPipe holds one more micro-batch's stage input per
+    extra micro-batch; 1F1B's grow only by the per-tick program rows (28 bytes a tick)."""
+    p, b, s, h, f = 4, 8, 32, 64, 128
+    slot = (b // 2) * s * h * 4  # one local stage input, bytes
+    ms = (4, 8, 16)
+    gpipe = [_temp_bytes("gpipe", p, m, b, s, h, f) for m in ms]
+    onef = [_temp_bytes("1f1b", p, m, b, s, h, f) for m in ms]
+    for m, g, o in zip(ms, gpipe, onef):
+        assert g - gpipe[0] >= (m - ms[0]) * slot, (gpipe, onef)
+        assert abs(o - onef[0]) < slot / 8, (gpipe, onef)
+
+
+def test_errors():
+    with pytest.raises(ScheduleError, match="fewer than pipeline=4"):
+        pl.compile_schedule(schedules.build("1f1b", 4, 2))
+    with pytest.raises(ScheduleError, match="multiple of pipeline=4"):
+        pl.check_pipeline("interleaved", 4, 6, 2)
+    pl.check_pipeline("gpipe", 4, 2)  # GPipe runs (badly) with m < p
+
+    p, m = 2, 4
+    params, inputs, targets = _model(p, m)
+    mesh = _mesh(p)
+    with pytest.raises(ScheduleError, match="fewer than pipeline=2"):  # before any compile
+        _pipelined(mesh, schedules.build("1f1b", p, 1))(params, inputs[:1], targets[:1])
+    with pytest.raises(ScheduleError, match="built for m=2"):
+        _pipelined(mesh, schedules.build("1f1b", p, 2))(params, inputs, targets)
+    with pytest.raises(ScheduleError, match="schedule is for pipeline=4"):
+        _pipelined(mesh, schedules.build("1f1b", 4, m))(params, inputs, targets)
+    with pytest.raises(ScheduleError, match="leading chunk dim v=2"):
+        _pipelined(mesh, schedules.build("interleaved", p, m, 2))(params, inputs, targets)
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        _pipelined(mesh, schedules.build("gpipe", p, m), lambda w, x: x[..., :2])(
+            params, inputs, targets)
+
+
+@pytest.mark.parametrize("name, p, m, v", [("1f1b", 2, 4, 1), ("interleaved", 2, 2, 2)])
+def test_embedding_on_stage_0_and_loss_head_on_the_last(name, p, m, v):
+    """A whole language model: token ids -> embedding (stage 0) -> p * v blocks -> output
+    projection + cross-entropy (last stage); embedding and head gradients summed over
+    `pipeline` once."""
+    vocab = 11
+    params, _, _ = _model(p * v, m, seed=2)
+    rng = np.random.default_rng(3)
+    tokens, labels = (jnp.asarray(rng.integers(0, vocab, (m, B, S)), jnp.int32) for _ in "xt")
+    emb = jnp.asarray(rng.normal(size=(vocab, H)), jnp.float32)
+    head = {"w": jnp.asarray(rng.normal(size=(H, vocab)) / 4, jnp.float32)}
+
+    def embed_fn(e, ids):                                            # [b, s] -> [b, s, h]
+        return e[ids]
+
+    def head_loss(hp, y, t):                                         # [b, s, h], [b, s]
+        logp = jax.nn.log_softmax(y @ hp["w"])
+        return -jnp.mean(jnp.take_along_axis(logp, t[..., None], -1))
+
+    def reference(params, emb, head):
+        def one(ids, t):
+            x = embed_fn(emb, ids)
+            for k in range(p * v):
+                x = stage_fn(jax.tree.map(lambda a, k=k: a[k], params), x)
+            return head_loss(head, x, t)
+        return jnp.mean(jax.vmap(one)(tokens, labels))
+
+    want_loss, want = jax.value_and_grad(reference, argnums=(0, 1, 2))(params, emb, head)
+    schedule = schedules.build(name, p, m, v)
+
+    def local(w, e, hp, x, t):
+        loss, g = pl.pipeline_value_and_grad(stage_fn, head_loss, w, (x, t), schedule=schedule,
+                                             embed_fn=embed_fn, embed_params=e, head_params=hp)
+        return jax.lax.pmean((loss, g.stages, g.embed, g.head), "data")
+
+    batch = P(None, "data")
+    f = jax.jit(jax.shard_map(local, mesh=_mesh(p), in_specs=(P("pipeline"), P(), P(), batch,
+                                                              batch),
+                              out_specs=(P(), P("pipeline"), P(), P())))
+    loss, grads, d_emb, d_head = f(pl.stages_to_ranks(params, p, v), emb, head, tokens, labels)
+    np.testing.assert_allclose(loss, want_loss, **TOL)
+    for k, g in pl.ranks_to_stages(grads, p, v).items():
+        np.testing.assert_allclose(g, want[0][k], **TOL, err_msg=k)
+    np.testing.assert_allclose(d_emb, want[1], **TOL)
+    np.testing.assert_allclose(d_head["w"], want[2]["w"], **TOL)
