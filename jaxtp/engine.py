@@ -302,6 +302,7 @@ class Engine:
         cfg, graphdef = self.cfg, self.graphdef
         remat = cfg.parallel.remat
 
+        # GSPMD evaluates the global loss directly, unless ring attention needs `context` manual
         if cfg.parallel.mode == "gspmd" and self.degrees["context"] == 1:
             ops = self._ops(manual_batch=False)
             outer = self._outer_specs(self.param_specs)
@@ -422,6 +423,10 @@ def build(cfg: Config, devices=None) -> Engine:
     degrees = {a: int(s) for a, s in mesh.shape.items()}
     validate(cfg.model, cfg.parallel, cfg.train, degrees)
     platform = mesh.devices.flat[0].platform
+    if cfg.model.attention_impl != "default" and degrees["context"] > 1:
+        raise ConfigError(f"model.attention_impl={cfg.model.attention_impl} has no effect with "
+                          f"parallel.context={degrees['context']}: ring attention computes the "
+                          f"blocks itself; use model.attention_impl=default or parallel.context=1")
     if cfg.model.attention_impl == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention_impl=cudnn needs NVIDIA GPUs, but the mesh is on "
                           f"{platform}; use model.attention_impl=default or xla")
