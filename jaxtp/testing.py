@@ -71,6 +71,22 @@ def assert_trees_close(actual, expected, *, rtol: float, atol: float) -> None:
                                    err_msg=jax.tree_util.keystr(path))
 
 
+def assert_matches_reference(cfg: Config, *, rtol: float, atol: float, seed: int = 0):
+    """Loss and gradients of ``cfg`` on its mesh equal the single-device reference on the same
+    parameters and batch (gradients compared leaf by leaf, vocab padding cut off). Returns
+    ``(engine, sharded params, sharded batch, reference loss, grads)`` for further checks."""
+    eng = engine_build(cfg)
+    ref_params = _reference_params(cfg)
+    batch = random_batch(cfg, seed)
+    ref_loss, ref_grads = reference_loss_and_grad(cfg, ref_params, batch)
+    params = eng.shard_params(pad_params(ref_params, eng))
+    sharded_batch = eng.shard_batch(batch)
+    loss, grads = eng.loss_and_grad()(params, sharded_batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
+    assert_trees_close(unpad(grads, ref_grads), ref_grads, rtol=rtol, atol=atol)
+    return eng, params, sharded_batch, ref_loss, grads
+
+
 def saved_residuals(cfg: Config, devices=None) -> list[tuple[tuple[int, ...], np.dtype]]:
     """(per-device shape, dtype) of every activation one device keeps for the backward pass: the
     residuals ``jax.vjp`` holds for the loss, parameters excluded. Compiled ahead of time from

@@ -16,14 +16,7 @@ MESHES = [(8, 1), (2, 4), (1, 8)]  # (data, model)
 
 def _check(overrides, seed=0):
     cfg = config.load("tiny", overrides)
-    eng = engine.build(cfg)
-    ref_params = engine.reference_params(cfg)
-    batch = testing.random_batch(cfg, seed)
-    ref_loss, ref_grads = testing.reference_loss_and_grad(cfg, ref_params, batch)
-    params = eng.shard_params(testing.pad_params(ref_params, eng))
-    loss, grads = eng.loss_and_grad()(params, eng.shard_batch(batch))
-    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
-    testing.assert_trees_close(testing.unpad(grads, ref_grads), ref_grads, rtol=RTOL, atol=ATOL)
+    eng, *_, grads = testing.assert_matches_reference(cfg, rtol=RTOL, atol=ATOL, seed=seed)
     # the padded embedding rows never receive gradient
     table = np.asarray(grads["embed"]["table"][...])
     np.testing.assert_array_equal(table[cfg.model.vocab_size:], 0.0)

@@ -27,16 +27,9 @@ KV_HEADS, HEAD_DIM = 8, 8
 
 def _check(overrides):
     cfg = config.load("tiny", overrides)
-    eng = engine.build(cfg)
-    ref_params = engine.reference_params(cfg)
-    batch = testing.random_batch(cfg)
-    ref_loss, ref_grads = testing.reference_loss_and_grad(cfg, ref_params, batch)
-    params = eng.shard_params(testing.pad_params(ref_params, eng))
-    loss, grads = eng.loss_and_grad()(params, eng.shard_batch(batch))
-    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
-    testing.assert_trees_close(testing.unpad(grads, ref_grads), ref_grads, rtol=RTOL, atol=ATOL)
+    eng, params, batch, ref_loss, _ = testing.assert_matches_reference(cfg, rtol=RTOL, atol=ATOL)
     # the evaluation loss (forward only) goes through the same layout
-    np.testing.assert_allclose(eng.loss()(params, eng.shard_batch(batch)), ref_loss, rtol=RTOL)
+    np.testing.assert_allclose(eng.loss()(params, batch), ref_loss, rtol=RTOL)
 
 
 SP = ["parallel.sequence_parallel=true"]
@@ -130,8 +123,10 @@ def test_cp_census(mode, cp):
     (["parallel.data=2", "parallel.model=4", *SP, "train.seq_len=62"], "multiple of 4"),
     (["parallel.data=1", "parallel.context=2", "parallel.model=4", *SP, "train.seq_len=68"],
      "each context shard's 34 positions"),
+    (["parallel.data=4", "parallel.context=2", "model.attention_impl=xla"],
+     "ring attention computes the blocks itself"),
 ])
-def test_sequence_not_divisible_is_a_clear_error(overrides, match):
+def test_bad_sequence_or_context_config_is_a_clear_error(overrides, match):
     with pytest.raises(ConfigError, match=match):
         engine.build(config.load("tiny", overrides))
 

@@ -81,14 +81,7 @@ def test_trajectory_equals_stage_0(stage0, mode, overrides):
 ])
 def test_loss_and_grads_match_single_device(mode, overrides):
     cfg = _cfg(f"parallel.mode={mode}", *overrides)
-    eng = engine.build(cfg)
-    ref_params = engine.reference_params(cfg)
-    batch = testing.random_batch(cfg)
-    ref_loss, ref_grads = testing.reference_loss_and_grad(cfg, ref_params, batch)
-    params = eng.shard_params(testing.pad_params(ref_params, eng))
-    loss, grads = eng.loss_and_grad()(params, eng.shard_batch(batch))
-    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
-    testing.assert_trees_close(testing.unpad(grads, ref_grads), ref_grads, rtol=RTOL, atol=ATOL)
+    eng, *_, grads = testing.assert_matches_reference(cfg, rtol=RTOL, atol=ATOL)
     for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(
             eng.grad_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
         assert g.sharding.spec == spec
