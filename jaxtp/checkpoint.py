@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +61,16 @@ class Checkpointer:
     ``directory``, keeping the last ``keep`` steps. Call :meth:`close` (or :meth:`wait`) before the
     process exits, or the last asynchronous save may not be committed."""
 
-    def __init__(self, directory: str | Path, *, keep: int, cfg: Config):
+    def __init__(self, directory: str | Path, *, keep: int, cfg: Config,
+                 layer_order: Callable | None = None):
+        """``layer_order(tree, inverse=False)``: the state with its stacked layers in natural
+        order (``inverse``: back), e.g. :meth:`jaxtp.engine.Engine.natural_layers`; checkpoints
+        always hold layer ``i`` at index ``i``, whatever the pipeline layout that wrote them."""
         if keep < 1:
             raise ConfigError(f"train.keep_checkpoints={keep} must be at least 1")
         self.directory = Path(directory).absolute()
         self.cfg = cfg
+        self._layer_order = layer_order
         self._options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
             enable_async_checkpointing=True,
@@ -105,6 +111,8 @@ class Checkpointer:
         manager = self._open()
         if step in manager.all_steps():
             return
+        if self._layer_order is not None:
+            state = self._layer_order(state)
         flat, _ = _flatten(state)
         tp = _tensor_parallel_degree(state)
         meta = {"format": FORMAT_VERSION, "model": dataclasses.asdict(self.cfg.model),
@@ -158,6 +166,8 @@ class Checkpointer:
             if not isinstance(restored["data"], dict):  # without it the resume is not exact
                 raise FileNotFoundError(f"{where / 'data'} is missing")
         state = jax.tree_util.tree_unflatten(treedef, [restored["state"][k] for k in target])
+        if self._layer_order is not None:
+            state = self._layer_order(state, inverse=True)
         return state, dict(restored["data"])
 
     def _resolve_step(self, step: int | None) -> int:

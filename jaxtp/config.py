@@ -20,6 +20,7 @@ Remat = Literal["none", "full", "selective", "dots_saveable"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["default", "xla", "cudnn"]
 ContextLayout = Literal["zigzag", "contiguous"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 
 
 class ConfigError(ValueError):
@@ -110,6 +111,11 @@ class ParallelConfig:
     context_layout: ContextLayout = "zigzag"
     zero_stage: int = 0
     remat: Remat = "none"
+    # Pipeline parallelism over `pipeline` (train.microbatches micro-batches per step): the order
+    # of forward and backward passes (jaxtp/schedules.py), and for "interleaved" the number of
+    # model chunks (virtual stages) per pipeline rank.
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)

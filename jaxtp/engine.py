@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtp import collectives
+from jaxtp import collectives, staging
 from jaxtp.config import Config, ConfigError, validate_model
 from jaxtp.execution import ExplicitOps, GSPMDOps, LocalOps, gather_params
 from jaxtp.layers.ring_attention import positions_for_layout, to_layout
@@ -193,13 +193,38 @@ class Engine:
         def init():
             model = Transformer(self.cfg.model, padded_vocab=self.padded_vocab,
                                 rngs=nnx.Rngs(seed))
-            return nnx.state(model)
+            return self._to_pipeline_order(nnx.state(model))
 
         return jax.jit(init, out_shardings=self.param_shardings)()
 
     def shard_params(self, params: nnx.State) -> nnx.State:
-        """Place existing (e.g. reference) parameters in this engine's shardings."""
-        return jax.device_put(params, self.param_shardings)
+        """Place existing (e.g. reference) parameters, in natural layer order, in this engine's
+        shardings (and layer order: :meth:`natural_layers`)."""
+        if self.cfg.parallel.virtual_stages == 1:
+            return jax.device_put(params, self.param_shardings)
+        return jax.jit(self._to_pipeline_order, out_shardings=self.param_shardings)(params)
+
+    @property
+    def _layer_units(self) -> int:
+        """Length of the stacked ``layers`` dim: layers, or MoE groups."""
+        m = self.cfg.model
+        return m.n_layers // m.moe_every if m.n_experts else m.n_layers
+
+    def _to_pipeline_order(self, tree):
+        return staging.to_pipeline_order(tree, self.degrees["pipeline"],
+                                         self.cfg.parallel.virtual_stages, self._layer_units)
+
+    def natural_layers(self, tree, *, inverse: bool = False):
+        """A parameter-, gradient- or train-state-shaped ``tree`` of this engine with its stacked
+        layers in natural order (layer ``i`` at index ``i``), shardings kept; ``inverse``: back to
+        this engine's order. The identity except for interleaved pipelines (``virtual_stages >
+        1``), whose ranks hold non-contiguous chunks (:mod:`jaxtp.staging`)."""
+        if self.cfg.parallel.virtual_stages == 1:
+            return tree
+        p, v, units = self.degrees["pipeline"], self.cfg.parallel.virtual_stages, self._layer_units
+        move = staging.to_pipeline_order if inverse else staging.to_natural_order
+        shardings = jax.tree.map(lambda a: a.sharding, tree)
+        return jax.jit(lambda t: move(t, p, v, units), out_shardings=shardings)(tree)
 
     def shard_batch(self, batch: Batch) -> Batch:
         return jax.device_put(batch, self.batch_sharding)
@@ -301,6 +326,9 @@ class Engine:
         loss), in the configured execution mode."""
         cfg, graphdef = self.cfg, self.graphdef
         remat = cfg.parallel.remat
+        if self.degrees["pipeline"] > 1:  # the pipelined step's loss (backward included)
+            step = staging.value_and_grad_fn(self)
+            return lambda params, batch: step(params, batch)[0]
 
         # GSPMD evaluates the global loss directly, unless ring attention needs `context` manual
         if cfg.parallel.mode == "gspmd" and self.degrees["context"] == 1:
@@ -341,6 +369,8 @@ class Engine:
         micro-batch, as in ZeRO and FSDP (holding whole gradients across micro-batches would undo
         the sharding).
         """
+        if self.degrees["pipeline"] > 1:
+            return staging.value_and_grad_fn(self, with_metrics=with_metrics)
         cfg, graphdef = self.cfg, self.graphdef
         m = cfg.train.microbatches
         n_tokens = cfg.train.batch_size * cfg.train.seq_len

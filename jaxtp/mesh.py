@@ -20,6 +20,8 @@ from jax.sharding import AxisType, Mesh
 
 from jaxtp.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from jaxtp.layers.moe import MoESettings, check_moe
+from jaxtp.pipeline import check_pipeline
+from jaxtp.schedules import ScheduleError
 
 AXES: tuple[str, ...] = ("pipeline", "data", "fsdp", "context", "expert", "model")
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
@@ -133,14 +135,44 @@ def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
         raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}: ZeRO stages are 0 (off), "
                           f"1 (moments), 2 (+ gradients) and 3 (+ parameters)")
     _validate_sequence(parallel, train, degrees)
-    not_yet = {
-        "parallel.pipeline": degrees["pipeline"] != 1,
-    }
-    missing = [k for k, on in not_yet.items() if on]
-    if missing:
-        raise ConfigError(f"{', '.join(missing)}: not supported in this version of jaxtp yet "
-                          f"(tensor, sequence, context, expert, data, ZeRO and FSDP parallelism "
-                          f"are); set them to their defaults")
+    _validate_pipeline(model, parallel, train, degrees)
+
+
+def _validate_pipeline(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                       degrees: dict[str, int]) -> None:
+    """Pipeline stages: ``pipeline x virtual_stages`` equal slices of the layer scan, a schedule
+    that can run ``train.microbatches``, and the features a stage supports."""
+    p, v, m = degrees["pipeline"], parallel.virtual_stages, train.microbatches
+    if p == 1:
+        if v != 1:
+            raise ConfigError(f"parallel.virtual_stages={v} needs parallel.pipeline > 1")
+        return
+    if model.n_experts > 0:
+        raise ConfigError(f"parallel.pipeline={p} with model.n_experts={model.n_experts} (MoE) is "
+                          f"not supported yet: a stage does not carry the router losses; use "
+                          f"parallel.pipeline=1 or a dense model")
+    stages, n = p * v, model.n_layers
+    if n < stages:
+        raise ConfigError(f"model.n_layers={n} is fewer than the parallel.pipeline={p} x "
+                          f"parallel.virtual_stages={v} = {stages} pipeline stages, which need at "
+                          f"least one layer each; use fewer stages or more layers")
+    if n % stages:
+        raise ConfigError(f"model.n_layers={n} does not split evenly into parallel.pipeline={p} "
+                          f"x parallel.virtual_stages={v} = {stages} stages (uneven stages are "
+                          f"not supported yet); use a stage count that divides {n}")
+    try:
+        check_pipeline(parallel.pipeline_schedule, p, m, v)
+    except ScheduleError as e:
+        raise ConfigError(f"parallel.pipeline_schedule: {e} (train.microbatches sets the "
+                          f"micro-batch count)") from None
+    if degrees["context"] > 1:
+        # Ring attention's ppermutes would run inside the schedule's per-tick branch, which pipeline
+        # ranks take at different ticks; XLA:CPU joins a collective-permute across all devices,
+        # so the ranks would pair up the wrong permutes.
+        raise ConfigError(f"parallel.pipeline={p} with parallel.context={degrees['context']} is "
+                          f"not supported: ring attention cannot run inside a pipeline stage yet; "
+                          f"use parallel.context=1 (sequence_parallel still splits activations "
+                          f"over model) or parallel.pipeline=1")
 
 
 def _validate_experts(model: ModelConfig, degrees: dict[str, int]) -> None:

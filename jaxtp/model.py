@@ -107,20 +107,11 @@ class Transformer(nnx.Module):
         """``(hidden [B,S,D], aux)``: aux is each MoE layer's router outputs stacked along a
         leading layer dim (``None`` for a dense model)."""
         cfg = self.cfg
-        x = self.embed(tokens, ops).astype(jnp.dtype(cfg.compute_dtype))       # (B, S, D)
-        x = ops.constrain(x, "batch", "residual_seq", "embed")
+        x = embed_tokens(self.embed, tokens, ops, cfg)
         rope = rope_tables(positions, cfg.resolved_head_dim, cfg.rope_theta)
         graphdef, stacked = nnx.split(self.blocks)
-
-        moe = cfg.n_experts > 0
-
-        def body(x, layer_params):
-            layer_params = ops.gather_layer(layer_params)  # ZeRO-3: this layer's weights, in time
-            out = nnx.merge(graphdef, layer_params)(x, rope, ops)
-            return out if moe else (out, None)  # MoE: (x, this layer's aux)
-
-        body = _remat(body, remat, ops.gathers_layers)
-        x, aux = jax.lax.scan(body, x, stacked)
+        x, aux = scan_layers(graphdef, stacked, x, rope, ops, remat=remat,
+                             moe=cfg.n_experts > 0)
         return self.final_norm(x), aux
 
     def logits(self, x: jax.Array, ops) -> jax.Array:  # [B,S,D] -> [B,S,V]{vocab-sharded}
@@ -137,10 +128,36 @@ class Transformer(nnx.Module):
         layers' router outputs summarised over layers (:func:`~jaxtp.layers.moe.summarize_aux`:
         ``aux_loss`` summed, the statistics averaged), each already the global-batch value."""
         x, aux = self.hidden_and_aux(tokens, positions, ops, remat=remat)
-        logits = self.logits(x, ops)
-        losses = vocab_parallel_cross_entropy(logits, targets, vocab_size=self.cfg.vocab_size,
-                                              ops=ops)
-        return losses, ({} if aux is None else summarize_aux(aux))
+        out = self.embed if self.cfg.tie_embeddings else self.head
+        return token_losses_of(out, x, targets, ops, self.cfg), (
+            {} if aux is None else summarize_aux(aux))
+
+
+def embed_tokens(embed: VocabParallelEmbedding, tokens: jax.Array, ops,
+                 cfg: ModelConfig) -> jax.Array:
+    """Token ids ``[B,S]`` -> the residual stream ``[B,S,D]`` in the compute dtype."""
+    x = embed(tokens, ops).astype(jnp.dtype(cfg.compute_dtype))
+    return ops.constrain(x, "batch", "residual_seq", "embed")
+
+
+def scan_layers(graphdef: nnx.GraphDef, stacked: nnx.State, x: jax.Array, rope, ops, *,
+                remat: str, moe: bool) -> tuple[jax.Array, dict | None]:
+    """Run the layers stacked along the leading dim of ``stacked`` (a :class:`Block` or
+    :class:`MoEBlock` state, any depth: the whole model or one pipeline stage) over ``x``."""
+    def body(x, layer_params):
+        layer_params = ops.gather_layer(layer_params)  # ZeRO-3: this layer's weights, in time
+        out = nnx.merge(graphdef, layer_params)(x, rope, ops)
+        return out if moe else (out, None)  # MoE: (x, this layer's aux)
+
+    return jax.lax.scan(_remat(body, remat, ops.gathers_layers), x, stacked)
+
+
+def token_losses_of(out, x: jax.Array, targets: jax.Array, ops, cfg: ModelConfig) -> jax.Array:
+    """Per-token cross-entropy ``[B,S]`` (fp32) of final-norm hidden states ``x`` through the
+    output projection ``out`` (the :class:`OutputHead`, or the embedding when tied)."""
+    logits = out.attend(x, ops) if isinstance(out, VocabParallelEmbedding) else out(x, ops)
+    logits = ops.constrain(logits, "batch", "seq", "vocab")
+    return vocab_parallel_cross_entropy(logits, targets, vocab_size=cfg.vocab_size, ops=ops)
 
 
 # What each ``parallel.remat`` policy saves of a layer for the backward pass (the scan body's

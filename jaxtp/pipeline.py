@@ -235,8 +235,11 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
     def embed(ep, raw):
         return raw if embed_fn is None else embed_fn(ep, raw)
 
-    x_aval = jax.eval_shape(embed, eparams, inputs[0])
-    x_shape, x_dtype = x_aval.shape, x_aval.dtype
+    # what a stage input and the loss look like, their varying axes included (e.g. `model` when
+    # the stream is sequence-sharded, the replica axes of the parameters): traced once for the
+    # types, the values are dead code
+    x0 = embed(eparams, inputs[0])
+    x_shape, x_dtype, act_vma = x0.shape, x0.dtype, batch_vma | _vma(x0)
 
     def zeros(shape, dtype, vma):
         return _vary(jnp.zeros(shape, dtype), vma)
@@ -255,6 +258,10 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
                              f"{x.shape} {x.dtype} -> {y.shape} {y.dtype}")
         return y
 
+    y0 = stage(jax.tree.map(lambda a: a[0], params), _vary(x0, act_vma))
+    l0 = loss_fn(hparams, y0, targets[0]) if has_head else loss_fn(y0, targets[0])
+    loss_vma = batch_vma | _vma(l0)
+
     def add_chunk(grads, c, dp):
         return jax.tree.map(lambda g, d: jax.lax.dynamic_update_index_in_dim(
             g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + d, c, 0), grads, dp)
@@ -262,8 +269,8 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
     def add(acc, d):
         return jax.tree.map(jnp.add, acc, d)
 
-    nothing = zeros(x_shape, x_dtype, batch_vma)
-    zero_loss = zeros((), jnp.float32, batch_vma)
+    nothing = zeros(x_shape, x_dtype, act_vma)
+    zero_loss = zeros((), jnp.float32, loss_vma)
 
     def branch(kind: str, first: bool, last: bool):
         """One pass: (chunk, raw input, stage input, output cotangent, target, grads) -> (y to
@@ -279,15 +286,15 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
             if kind == "F":
                 out = run(chunk_of(c), eparams, hparams, x, raw, tgt)
                 if last:
-                    return nothing, nothing, _vary(out.astype(jnp.float32), batch_vma), acc
-                return _vary(out, batch_vma), nothing, zero_loss, acc
+                    return nothing, nothing, _vary(out.astype(jnp.float32), loss_vma), acc
+                return _vary(out, act_vma), nothing, zero_loss, acc
             out, vjp = jax.vjp(lambda pc, ep, hp, x: run(pc, ep, hp, x, raw, tgt),
                                chunk_of(c), eparams, hparams, x)
             dpc, dep, dhp, dx = vjp(jnp.ones_like(out) if last else g)
             sg = add_chunk(sg, c, dpc)
             eg = add(eg, dep) if first and eg is not None else eg
             hg = add(hg, dhp) if last and hg is not None else hg
-            return nothing, (nothing if first else _vary(dx, batch_vma)), zero_loss, (sg, eg, hg)
+            return nothing, (nothing if first else _vary(dx, act_vma)), zero_loss, (sg, eg, hg)
         return fn
 
     def idle(c, raw, x, g, tgt, acc):
@@ -322,8 +329,8 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
 
     rank = jax.lax.axis_index(axis)
     rows = jnp.take(jnp.asarray(prog.rows), rank, axis=1)           # [ticks, 7]: this rank's
-    carry = (zeros((prog.act_slots, *x_shape), x_dtype, batch_vma),
-             zeros((prog.grad_slots, *x_shape), x_dtype, batch_vma),
+    carry = (zeros((prog.act_slots, *x_shape), x_dtype, act_vma),
+             zeros((prog.grad_slots, *x_shape), x_dtype, act_vma),
              (zeros_like(params), zeros_like(eparams), zeros_like(hparams)), zero_loss)
     (_, _, (grads, egrads, hgrads), loss), _ = jax.lax.scan(tick, carry, rows)
     loss = jax.lax.psum(loss, axis)

@@ -54,8 +54,9 @@ def _rules(mapping: Mapping[str, MeshAxes]) -> Rules:
 
 
 def param_rules(parallel: ParallelConfig) -> Rules:
-    """Where each parameter dim lives: Megatron TP over ``model``, replicated elsewhere."""
-    del parallel  # ZeRO-3 / FSDP and pipeline stages will extend this table.
+    """Where each parameter dim lives: Megatron TP over ``model``; under pipeline parallelism the
+    stacked ``layers`` dim over ``pipeline`` (each rank holds its stages' layers); replicated
+    elsewhere. ZeRO and FSDP add their axes in :func:`zero_specs`."""
     return _rules({
         "vocab": "model",
         "heads": "model",
@@ -63,7 +64,7 @@ def param_rules(parallel: ParallelConfig) -> Rules:
         "mlp": "model",
         "embed": None,
         "head_dim": None,
-        "layers": None,
+        "layers": "pipeline" if parallel.pipeline != 1 else None,
         "experts": "expert",
     })
 

@@ -232,7 +232,8 @@ def run(cfg: Config, devices=None) -> list[dict]:
 
     out = Path(t.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg)
+    ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg,
+                        layer_order=trainer.engine.natural_layers)
     latest = ckpt.latest_step()
     if latest is None:
         state = trainer.init_state()

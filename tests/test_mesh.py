@@ -44,7 +44,7 @@ def test_inferred_not_divisible():
     (["parallel.data=8", "train.batch_size=4"], "batch_size=4 is not divisible"),
     (["parallel.data=8", "train.microbatches=3"], "must split into train.microbatches=3"),
     (["parallel.data=1", "parallel.model=8", "train.batch_size=8"], None),
-    (["parallel.data=4", "parallel.pipeline=2"], "not supported in this version"),
+    (["parallel.data=4", "parallel.pipeline=2", "train.microbatches=1"], "microbatches=1 is fewer"),
 ])
 def test_invalid_configs_fail_before_compile(overrides, match):
     cfg = config.load("tiny", overrides)

@@ -1,0 +1,155 @@
+"""Pipeline parallelism in the whole model (jaxtp/staging.py): the pipelined loss and gradients
+equal the single-device reference for every schedule, p in {2, 4}, with and without TP, in both
+execution modes (fp32, the 2e-5 / 2e-6 of test_model_parallel); only activations cross
+``pipeline`` (two transfers per tick, ``1/t`` of them under sequence parallelism), the gradient
+sync runs once per step; a trained step equals the unpipelined one; checkpoints move between
+pipeline layouts; and every bad pipeline config is an error before compile.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtp import config, engine, inspect, schedules, testing
+from jaxtp.checkpoint import Checkpointer
+from jaxtp.config import ConfigError
+from jaxtp.train import Trainer
+
+RTOL, ATOL = 2e-5, 2e-6
+B, S, H = 8, 16, 64  # global batch, seq, d_model
+SMALL = ["model.n_layers=4", f"train.seq_len={S}"]
+
+
+def _cfg(*overrides):
+    return config.load("tiny", [*SMALL, *overrides])
+
+
+def _pipe(schedule, p, m, v=1):
+    return [f"parallel.pipeline={p}", f"parallel.pipeline_schedule={schedule}",
+            f"parallel.virtual_stages={v}", f"train.microbatches={m}"]
+
+
+CASES = [
+    pytest.param(_pipe("gpipe", 2, 2) + ["parallel.data=4", "parallel.mode=explicit"],
+                 id="gpipe-p2-dp4-explicit"),
+    pytest.param(_pipe("gpipe", 4, 4) + ["parallel.model=2", "parallel.data=1"],
+                 id="gpipe-p4-tp2-gspmd"),
+    pytest.param(_pipe("1f1b", 2, 2) + ["parallel.data=2", "parallel.model=2",
+                                        "model.tie_embeddings=true", "parallel.zero_stage=3"],
+                 id="1f1b-p2-dp2-tp2-tied-zero3-gspmd"),
+    pytest.param(_pipe("1f1b", 4, 4) + ["parallel.data=2", "parallel.zero_stage=1",
+                                        "parallel.mode=explicit"], id="1f1b-p4-dp2-explicit"),
+    pytest.param(_pipe("1f1b", 2, 2) + ["parallel.model=4", "parallel.data=1",
+                                        "parallel.sequence_parallel=true",
+                                        "parallel.mode=explicit"], id="1f1b-p2-tp4-sp-explicit"),
+    pytest.param(_pipe("interleaved", 2, 2, 2) + ["parallel.fsdp=2", "parallel.model=2",
+                                                  "parallel.data=1", "parallel.mode=explicit"],
+                 id="interleaved-p2v2-fsdp2-tp2-explicit"),
+    pytest.param(_pipe("interleaved", 4, 4, 2) + ["model.n_layers=8", "parallel.data=2",
+                                                  "parallel.remat=selective"],
+                 id="interleaved-p4v2-dp2-gspmd"),
+]
+
+
+@pytest.mark.parametrize("overrides", CASES)
+def test_matches_single_device_reference(overrides):
+    testing.assert_matches_reference(_cfg(*overrides), rtol=RTOL, atol=ATOL)
+
+
+def _pipeline_ops(*overrides):
+    cfg = _cfg(*overrides)
+    return cfg, inspect.report(engine.build(cfg)).ops
+
+
+@pytest.mark.parametrize("mode", ["explicit", "gspmd"])
+@pytest.mark.parametrize("sp", [False, True])
+def test_census_only_activations_cross_pipeline(mode, sp):
+    """(pipeline=2, data=2, model=2), 1F1B, m=2: per tick one forward and one backward transfer
+    of a micro-batch's activations, b x s x h x 4 bytes (b x s/t x h under SP: each TP rank
+    sends its sequence slice, never the replicated whole); over ``pipeline`` otherwise only the
+    loss and the embedding / head gradients, once per step; over ``data`` the gradients, once."""
+    p, m, t = 2, 2, 2
+    cfg, ops = _pipeline_ops(*_pipe("1f1b", p, m), "parallel.data=2", f"parallel.model={t}",
+                             f"parallel.mode={mode}", f"parallel.sequence_parallel={sp}")
+    ticks = schedules.build("1f1b", p, m).ticks
+    b = B // 2 // m  # micro-batch rows per data shard
+    act = b * (S // t if sp else S) * H * 4
+    sends = [op for op in ops if op.axes == ("pipeline",) and op.kind == "collective-permute"]
+    assert sum(op.executions for op in sends) == 2 * ticks
+    assert {op.bytes for op in sends} == {act}
+    others = [op for op in ops if "pipeline" in op.axes and op.kind != "collective-permute"]
+    assert others and all(op.kind == "all-reduce" and op.executions == 1 for op in others)
+    grad_sync = [op for op in ops if op.axes == ("data",) and op.kind == "all-reduce"
+                 and op.bytes > 4]
+    assert grad_sync and all(op.executions == 1 for op in grad_sync)
+    # no activation ever moves over `pipeline` as anything but a point-to-point send
+    assert not [op for op in ops if "pipeline" in op.axes and op.kind in
+                ("all-gather", "reduce-scatter", "all-to-all")]
+
+
+def test_trained_step_equals_unpipelined_and_checkpoints_move_between_layouts(tmp_path):
+    """One AdamW step with an interleaved pipeline (p=2, v=2: the engine stores layers
+    rank-major) equals the step without a pipeline; its checkpoint, written in natural layer
+    order, restores bit-exactly onto pipeline=1 and back onto the interleaved layout."""
+    base = ["train.lr=3e-4", "train.warmup_steps=0"]
+    piped = _cfg(*base, *_pipe("interleaved", 2, 2, 2), "parallel.data=2", "parallel.model=2")
+    flat = _cfg(*base, "parallel.data=4", "parallel.model=2", "train.microbatches=2")
+    results = {}
+    for name, cfg in (("piped", piped), ("flat", flat)):
+        trainer = Trainer(cfg)
+        state = trainer.init_state()
+        state, _ = trainer.step_fn(state)(state, trainer.put_batch(testing.random_batch(cfg)))
+        results[name] = trainer, state
+    trainer, state = results["piped"]
+    natural = jax.tree.map(np.asarray, trainer.engine.natural_layers(state))
+    testing.assert_trees_close(natural.params, jax.tree.map(np.asarray, results["flat"][1].params),
+                               rtol=1e-4, atol=1e-6)
+
+    ckpt = Checkpointer(tmp_path, keep=1, cfg=piped, layer_order=trainer.engine.natural_layers)
+    ckpt.save(1, state, data_state={"step": 1})
+    ckpt.close()
+    for target, want in ((Trainer(_cfg(*base, "parallel.data=8")), natural),
+                         (trainer, jax.tree.map(np.asarray, state))):
+        like = target.abstract_state()
+        ckpt = Checkpointer(tmp_path, keep=1, cfg=target.cfg,
+                            layer_order=target.engine.natural_layers)
+        restored, _ = ckpt.restore(1, like=like)
+        ckpt.close()
+        for got, expected, spec in zip(jax.tree.leaves(restored), jax.tree.leaves(want),
+                                       jax.tree.leaves(like)):
+            assert got.sharding == spec.sharding
+            np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_eval_loss_through_the_pipeline():
+    cfg = _cfg(*_pipe("1f1b", 2, 2), "parallel.data=4")
+    eng, params, batch, ref_loss, _ = testing.assert_matches_reference(cfg, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(eng.loss()(params, batch), ref_loss, rtol=RTOL)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.n_layers=2", *_pipe("1f1b", 4, 4)], "fewer than the parallel.pipeline=4"),
+    (["model.n_layers=6", *_pipe("1f1b", 4, 4)], "does not split evenly"),
+    (_pipe("interleaved", 2, 2, 4), "fewer than the parallel.pipeline=2 x "),
+    (_pipe("1f1b", 4, 2), "microbatches=2 is fewer than pipeline=4"),
+    (_pipe("interleaved", 2, 3, 2), "must be a multiple of pipeline=2"),
+    (_pipe("gpipe", 2, 2, 2), "virtual_stages=2 needs pipeline_schedule=interleaved"),
+    (["parallel.virtual_stages=2"], "needs parallel.pipeline > 1"),
+    ([*_pipe("1f1b", 2, 2), "parallel.context=2"], "ring attention"),
+    ([*_pipe("1f1b", 2, 2), "model.n_experts=4", "model.moe_every=1"], "MoE"),
+    ([*_pipe("zigzag", 2, 2)], "pipeline_schedule"),
+])
+def test_bad_pipeline_configs_are_errors_before_compile(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        engine.build(config.load("tiny", [*SMALL, "train.batch_size=24", *overrides]))
+
+
+def test_each_rank_holds_its_stage_of_the_layers():
+    """The memory point of a pipeline: a rank holds ``1/p`` of every stacked layer parameter
+    (the embedding and head stay replicated over ``pipeline``)."""
+    eng = engine.build(_cfg(*_pipe("1f1b", 4, 4), "parallel.data=2"))
+    blocks = zip(jax.tree.leaves(eng.abstract_params["blocks"]),
+                 jax.tree.leaves(eng.param_shardings["blocks"]))
+    for var, sharding in blocks:
+        assert sharding.shard_shape(var.shape) == (var.shape[0] // 4, *var.shape[1:])
+    assert all("pipeline" not in str(s.spec) for s in jax.tree.leaves(eng.param_shardings["embed"]))
