@@ -166,6 +166,43 @@ def _vary(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _all_gather_invariant(x, axis: str, dim: int):
+    """All-gather whose result is typed replicated (invariant) over ``axis``, as its input was
+    before it was sliced. Public in newer JAX; jax 0.10 has it only internally."""
+    gather = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+        from jax._src.lax.parallel import all_gather_invariant as gather
+    return gather(x, axis, axis=dim, tiled=True)
+
+
+def _sender(axis: str, split: tuple[str, int] | None) -> Callable:
+    """``send(x, perm)``: ``ppermute`` over ``axis``, of ``1/n`` slices when ``split`` is set."""
+    if split is None:
+        return lambda x, perm: jax.lax.ppermute(x, axis, perm)
+    name, dim = split
+    mesh = jax.sharding.get_abstract_mesh()
+    if name in mesh.manual_axes:
+        n = jax.lax.axis_size(name)
+
+        def send(x, perm):
+            size = x.shape[dim] // n
+            part = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(name) * size, size, dim)
+            return _all_gather_invariant(jax.lax.ppermute(part, axis, perm), name, dim)
+        return send
+
+    def spec(*entries):
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
+
+    def send(x, perm):  # GSPMD: a nested manual region over `name` sends each device's shard
+        sliced = jax.sharding.PartitionSpec(*[None] * dim, name)
+        moved = jax.shard_map(lambda part: jax.lax.ppermute(part, axis, perm), mesh=mesh,
+                              in_specs=sliced, out_specs=sliced, axis_names=frozenset({name}))
+        # replicated on both sides, or the propagation pulls the sliced layout into the stages
+        x = jax.lax.with_sharding_constraint(x, spec())
+        return jax.lax.with_sharding_constraint(moved(x), spec())
+    return send
+
+
 class PipelineGrads(NamedTuple):
     """Gradients when the pipeline also owns the embedding (stage 0) and the loss head (last
     stage); ``embed`` / ``head`` are ``None`` when not given, and summed over ``axis``."""
@@ -179,7 +216,7 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
                             microbatches: tuple[jax.Array, jax.Array], *,
                             schedule: Schedule, axis: str = PIPELINE,
                             embed_fn: Callable | None = None, embed_params=None,
-                            head_params=None):
+                            head_params=None, send_split: tuple[str, int] | None = None):
     """``(loss, grads)`` of the ``p * v``-stage model run by ``schedule``, per rank, inside
     ``jax.shard_map`` over ``axis``.
 
@@ -194,6 +231,13 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
       stage only (every rank may hold them; nothing is scattered over ``axis`` yet). With
       ``embed_fn``, ``inputs`` are raw (e.g. token ids ``[m, b, s]``) and stage 0 runs
       ``embed_fn(embed_params, inputs[i]) -> x [b, s, h]`` first.
+
+    - ``send_split = (axis_name, dim)``: activations that are replicated over ``axis_name``
+      (e.g. ``model`` under plain TP) are sent as each rank's ``1/n`` slice along ``dim`` and
+      all-gathered over ``axis_name`` after the transfer (Narayanan et al. 2021, sec. 4.1,
+      "scatter/gather"): ``n`` times fewer bytes on the pipeline link, one all-gather on the
+      fast tensor-parallel one. Manual ``axis_name``: an explicit slice and all-gather;
+      automatic (GSPMD): sharding constraints, and XLA slices and gathers.
 
     Returns the mean loss over the ``m`` micro-batches (summed over ``axis``, so every rank has
     it) and this rank's gradient, shaped like ``stage_params`` — or, when ``embed_fn`` or
@@ -313,6 +357,8 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
         return jax.lax.dynamic_update_index_in_dim(
             buf, jnp.where(slot >= 0, value, read(buf, i)), i, 0)
 
+    send = _sender(axis, send_split)
+
     def tick(carry, row):
         acts, cots, acc, loss = carry                                # acts: [A, b, s, h]
         mb = row[MICROBATCH]
@@ -321,8 +367,8 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
         x, g = read(acts, row[ACT_SLOT]), read(cots, row[GRAD_SLOT])      # [b, s, h] each
         y, dx, dloss, acc = jax.lax.switch(row[KIND], branches, row[CHUNK], raw, x, g, tgt, acc)
         if s.p > 1:
-            y = jax.lax.ppermute(y, axis, fwd_perm)                  # rank r -> r + 1
-            dx = jax.lax.ppermute(dx, axis, bwd_perm)                # rank r -> r - 1
+            y = send(y, fwd_perm)                                    # rank r -> r + 1
+            dx = send(dx, bwd_perm)                                  # rank r -> r - 1
         acts = write(acts, row[RECV_ACT], y)
         cots = write(cots, row[RECV_GRAD], dx)
         return (acts, cots, acc, loss + dloss), None

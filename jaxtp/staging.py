@@ -7,9 +7,9 @@ equal stages of ``L / (p v)`` layers. Stage ``k`` runs on pipeline rank ``k % p`
 projection and the vocab-parallel loss, as in Megatron-LM; those parameters are replicated over
 ``pipeline`` and their gradients summed over it once per step (with tied embeddings the input and
 output uses of the table add up there). Inside a stage everything else composes unchanged: the
-same layer body, Megatron TP over ``model`` in either execution mode, sequence parallelism (the
-activations a rank sends are then its ``1/t`` sequence slice: Narayanan et al.'s scatter/gather
-for free), data parallelism, ZeRO 1-3 and FSDP. Not yet: context parallelism (ring attention's
+same layer body, Megatron TP over ``model`` in either execution mode (a stage sends each TP
+rank's ``1/t`` slice of the activations and the next all-gathers them over ``model``: Narayanan
+et al.'s scatter/gather; under sequence parallelism the stream is already sliced), data parallelism, ZeRO 1-3 and FSDP. Not yet: context parallelism (ring attention's
 ``ppermute`` s would run inside the schedule's per-tick ``lax.switch``, and XLA:CPU joins a
 collective-permute over all devices, so ranks in different branches would pair the wrong ones)
 and MoE (a stage does not carry router losses); :func:`jaxtp.mesh.validate` says so before compile.
@@ -88,6 +88,11 @@ def value_and_grad_fn(engine, *, with_metrics: bool = False):
     defs = {k: nnx.split(getattr(model, k))[0]
             for k in ("embed", "blocks", "final_norm") + (() if tied else ("head",))}
     out_key = "embed" if tied else "head"
+    # plain TP: the stream between stages is replicated over `model`, so send 1/t of it (under SP
+    # it is already each rank's sequence slice)
+    t = engine.degrees["model"]
+    send_split = (("model", 1) if t > 1 and not par.sequence_parallel
+             and (cfg.train.seq_len // engine.degrees["context"]) % t == 0 else None)
 
     def local(params, batch):
         params = mark_data_parallel(params, engine.param_specs, replicas)
@@ -117,7 +122,8 @@ def value_and_grad_fn(engine, *, with_metrics: bool = False):
             return jnp.sum(token_losses_of(out, x, tgt, ops, mcfg)) * (m / n_tokens)
 
         loss, g = pipeline.pipeline_value_and_grad(
-            stage_fn, loss_fn, chunks, (tokens, targets), schedule=schedule, embed_fn=embed_fn,
+            stage_fn, loss_fn, chunks, (tokens, targets), schedule=schedule, send_split=send_split,
+            embed_fn=embed_fn,
             embed_params={"embed": gathered["embed"]},
             head_params={"final_norm": gathered["final_norm"], out_key: gathered[out_key]})
         grads = jax.tree.map(jnp.zeros_like, gathered)

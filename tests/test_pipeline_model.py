@@ -65,18 +65,25 @@ def _pipeline_ops(*overrides):
 @pytest.mark.parametrize("sp", [False, True])
 def test_census_only_activations_cross_pipeline(mode, sp):
     """(pipeline=2, data=2, model=2), 1F1B, m=2: per tick one forward and one backward transfer
-    of a micro-batch's activations, b x s x h x 4 bytes (b x s/t x h under SP: each TP rank
-    sends its sequence slice, never the replicated whole); over ``pipeline`` otherwise only the
+    of each TP rank's 1/t of a micro-batch's activations, b x s/t x h x 4 bytes, never the
+    replicated whole (plain TP: all-gathered over ``model`` after the transfer; SP: the stream
+    is already the rank's sequence slice); over ``pipeline`` otherwise only the
     loss and the embedding / head gradients, once per step; over ``data`` the gradients, once."""
     p, m, t = 2, 2, 2
     cfg, ops = _pipeline_ops(*_pipe("1f1b", p, m), "parallel.data=2", f"parallel.model={t}",
                              f"parallel.mode={mode}", f"parallel.sequence_parallel={sp}")
     ticks = schedules.build("1f1b", p, m).ticks
     b = B // 2 // m  # micro-batch rows per data shard
-    act = b * (S // t if sp else S) * H * 4
+    act = b * S * H * 4
     sends = [op for op in ops if op.axes == ("pipeline",) and op.kind == "collective-permute"]
     assert sum(op.executions for op in sends) == 2 * ticks
-    assert {op.bytes for op in sends} == {act}
+    assert {op.bytes for op in sends} == {act // t}
+    # plain TP: the slices are all-gathered over `model` after each transfer (SP: never)
+    # (outside the schedule's per-tick branches: the stages' own SP gathers are inside them)
+    after_send = [op for op in ops if op.axes == ("model",) and op.kind == "all-gather"
+                  and op.executions == ticks and "branch" not in op.op_name]
+    assert sum(op.executions for op in after_send) == (0 if sp else 2 * ticks)
+    assert all(op.bytes == act for op in after_send)
     others = [op for op in ops if "pipeline" in op.axes and op.kind != "collective-permute"]
     assert others and all(op.kind == "all-reduce" and op.executions == 1 for op in others)
     grad_sync = [op for op in ops if op.axes == ("data",) and op.kind == "all-reduce"
