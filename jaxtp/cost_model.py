@@ -89,8 +89,9 @@ class Layout:
         return {a: getattr(self, a) for a in AXES}
 
     def overrides(self) -> list[str]:
-        """Config overrides for the fields jaxtp's config has (not the schedule yet)."""
-        keys = AXES + ("zero_stage", "remat", "sequence_parallel")
+        """The ``parallel.*`` / ``train.microbatches`` config overrides of this layout."""
+        keys = AXES + ("zero_stage", "remat", "sequence_parallel", "pipeline_schedule",
+                       "virtual_stages")
         return [f"parallel.{k}={getattr(self, k)}" for k in keys] + [
             f"train.microbatches={self.microbatches}"]
 
@@ -261,9 +262,9 @@ def zero_shards(layout: Layout) -> tuple[int, int, int]:
 def stage_params(s: Shape, layout: Layout) -> tuple[float, float]:
     """(parameters of the worst pipeline stage on one device, those of its vocab tables)."""
     t, p = layout.model, layout.pipeline
-    # one stage holds the embedding, another the head (a second copy when tied); p = 1 holds both
-    tables = (1 if s.tied else 2) if p == 1 else 1
-    table = tables * s.padded_vocab(t) * s.d_model / t
+    # jaxtp replicates the embedding, final norm and head over `pipeline` (Megatron-LM keeps the
+    # embedding on the first stage and the head on the last): every stage holds both tables
+    table = (1 if s.tied else 2) * s.padded_vocab(t) * s.d_model / t
     return s.layers / p * s.layer_params(t, layout.expert) + table + s.d_model, table
 
 

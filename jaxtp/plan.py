@@ -21,6 +21,7 @@ from jaxtp.cost_model import (AXES, REMATS, SCHEDULES, Estimate, Layout, Shape, 
                               effective_remat, gradient_sync, link, memory, micro_batch_size,
                               stage_params, step_time, zero_shards)
 from jaxtp.hardware import Hardware
+from jaxtp.schedules import build as build_schedule
 
 # ---------------------------------------------------------------------------------------------
 # The search
@@ -226,11 +227,11 @@ def engine_support(cfg: Config, layout: Layout) -> str:
     reason."""
     from jaxtp.mesh import validate
 
-    if layout.pipeline > 1:
-        return "pipeline parallelism is not built in this version"
     par = dataclasses.replace(cfg.parallel, **{a: getattr(layout, a) for a in AXES},
                               zero_stage=layout.zero_stage, remat=layout.remat,
-                              sequence_parallel=layout.sequence_parallel)
+                              sequence_parallel=layout.sequence_parallel,
+                              pipeline_schedule=layout.pipeline_schedule,
+                              virtual_stages=layout.virtual_stages)
     train = dataclasses.replace(cfg.train, microbatches=layout.microbatches)
     try:
         validate(cfg.model, par, train, layout.degrees())
@@ -271,6 +272,15 @@ def predicted_grad_step(s: Shape, layout: Layout, *, activations: str = "jaxtp")
         kv = 2 * tokens * s.kv_heads * s.head_dim / t
         hops = (c - 1) * kv * e * (3 if effective_remat(layout) == "full" else 2) + c * kv * 4
         census["collective-permute", ("context",)] = m * s.layers * hops
+    p = layout.pipeline
+    if p > 1:  # two sends per tick (each TP rank's 1/t slice), the table gradients once per step
+        ticks = build_schedule(layout.pipeline_schedule, p, m, layout.virtual_stages).ticks
+        sliced = layout.sequence_parallel or tokens // micro_batch_size(s, layout) % t == 0
+        census["collective-permute", ("pipeline",)] = (
+            2 * ticks * tokens * s.d_model * e / (t if sliced else 1))
+        # stage 0's embedding gradient and the last stage's head (+ final norm) gradient are
+        # summed over `pipeline` separately: a tied table twice
+        census["all-reduce", ("pipeline",)] = pb * ((2 if s.tied else 1) * table + s.d_model)
     if n_p > 1:
         axes = d_axes if layout.zero_stage >= 3 else ("fsdp",)
         layer = pb * s.layer_params(t, layout.expert)
@@ -300,8 +310,6 @@ def verify(cfg: Config, estimates: list[Estimate], k: int, *,
                "predicted": predicted_grad_step(s, est.layout, activations=activations)}
         rows.append(row)
         try:
-            if est.layout.pipeline > 1:
-                raise ConfigError(est.supported or "pipeline schedules are not built")
             eng = engine.build(apply_overrides(cfg, est.layout.overrides()))
         except ConfigError as err:
             row["not_compilable"] = str(err)

@@ -113,6 +113,8 @@ VERIFY = [
     ["parallel.data=8", "parallel.zero_stage=2", "parallel.remat=full"],
     ["parallel.data=2", "parallel.fsdp=2", "parallel.model=2", "train.batch_size=16",
      "parallel.remat=selective"],
+    ["model.n_layers=4", "parallel.pipeline=2", "parallel.data=4", "train.microbatches=2",
+     "parallel.pipeline_schedule=1f1b", "parallel.zero_stage=1"],
 ]
 
 
@@ -122,7 +124,9 @@ def test_memory_prediction_matches_the_compiled_step():
         cfg = config.load("tiny", over)
         p, t = cfg.parallel, cfg.train
         lo = cost_model.Layout(data=p.data, fsdp=p.fsdp, model=p.model, zero_stage=p.zero_stage,
-                         remat=p.remat, microbatches=t.microbatches)
+                               remat=p.remat, microbatches=t.microbatches, pipeline=p.pipeline,
+                               pipeline_schedule=p.pipeline_schedule,
+                               virtual_stages=p.virtual_stages)
         ests.append((cfg, cost_model.Estimate(layout=lo, memory={}, time={}, n_devices=8,
                                         peak_flops=1.0, model_flops=1.0)))
     for cfg, est in ests:
@@ -135,8 +139,9 @@ def test_memory_prediction_matches_the_compiled_step():
         assert 0.7 < pred["temporaries"] / comp["temporaries"] < 1.6, (est.layout, pred, comp)
         # the census bytes of the TP all-reduces over `model` and the once-per-step gradient
         # sync over `data` (ZeRO-3 gathers are left out: with model > 1 the compiled step
-        # gathers whole weights over fsdp, not their TP shards -- an engine matter)
-        keys = [k for k in pred["collectives"] if k[1] in (("model",), ("data",))]
+        # gathers whole weights over fsdp, not their TP shards -- an engine matter); and a
+        # pipeline's sends and once-per-step table-gradient sums over `pipeline`
+        keys = [k for k in pred["collectives"] if k[1] in (("model",), ("data",), ("pipeline",))]
         assert keys
         for key in keys:
             assert abs(pred["collectives"][key] / comp["collectives"][key] - 1) < 0.10, key
