@@ -48,8 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print the report as one JSON object")
     ins.add_argument("--hlo-out", default=None, metavar="FILE",
                      help="write the optimized HLO text to FILE")
-    ins.add_argument("--step", choices=("grad", "loss"), default="grad",
-                     help="compile loss and gradients (default) or the forward loss only")
+    ins.add_argument("--step", choices=("grad", "loss", "train"), default="grad",
+                     help="compile loss and gradients (default), the forward loss only, or the "
+                          "whole train step (optimizer update included; adds the optimizer "
+                          "state's bytes)")
 
     tr = verbs.add_parser("train", help="train a model (default: the tiny preset on the "
                                         "embedded corpus)")

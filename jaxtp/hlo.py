@@ -7,11 +7,21 @@ the body of the layer scan's ``while`` loop counts ``known_trip_count`` times. R
 three spellings, all handled: explicit lists ``{{0,1},{2,3}}``, iota form ``[2,4]<=[8]`` /
 ``[4,2]<=[2,4]T(1,0)``, and mesh form ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}``.
 Group members are partition ids, i.e. positions in the mesh's flattened device grid.
+
+Each operand of a collective keeps where it came from: its ``op_name`` (the JAX name stack) and
+its Python traceback, which JAX records in the module's ``FileNames`` / ``FunctionNames`` /
+``FileLocations`` / ``StackFrames`` tables and each instruction's ``stack_frame_id``. XLA's
+combiner fuses several collectives into one tuple-shaped op with the metadata of the first, but the
+``get-tuple-element`` that reads each result back keeps the original's, so a fused op's operands
+are attributed one by one (:attr:`CollectiveOp.parts`). Where nothing reads them back (the fused op
+is the entry's result, as the gradient sync of a ``grad`` step is) only the first operand's origin
+is known; the others are marked ``lost``, with the step output each one is.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,6 +40,29 @@ _CALLEE = re.compile(r"\b(body|calls|true_computation|false_computation)=%?([\w\
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_GTE = re.compile(r"get-tuple-element\(%?([\w\.\-]+)\),\s*index=(\d+)")
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One Python frame of the traceback that created an instruction."""
+
+    file: str
+    function: str  # qualified name, e.g. ``Attention.__call__``
+    line: int
+
+
+@dataclass(frozen=True)
+class Part:
+    """One operand of a collective: its bytes and where it came from."""
+
+    bytes: int  # per device, per execution (reduce-scatter: its input)
+    op_name: str  # the JAX name stack
+    frames: tuple[Frame, ...]  # its traceback, innermost first (empty if the HLO has none)
+    lost: bool = False  # fused into an op whose result no get-tuple-element reads back
+    output: int | None = None  # if lost: the index of the step output it is, if it is one
 
 
 @dataclass(frozen=True)
@@ -44,6 +77,7 @@ class CollectiveOp:
     executions: int  # times it runs per step (loop trip counts multiplied in)
     computation: str
     op_name: str  # the JAX name stack from the op metadata
+    parts: tuple[Part, ...] = ()  # one per operand, in operand order
 
     @property
     def total_bytes(self) -> int:
@@ -114,6 +148,52 @@ def groups_to_axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple
     return tuple(a for a in names if a in varying)
 
 
+def tracebacks(hlo_text: str) -> dict[int, tuple[Frame, ...]]:
+    """``stack_frame_id`` -> its traceback, innermost frame first, from the module's tables.
+
+    Each ``StackFrames`` row is ``ID {file_location_id=L parent_frame_id=P}``; XLA prints the
+    parent's id plus one, so ``P = 1`` is a root frame (checked against compiled modules in
+    ``tests/test_inspect.py``). Empty when the module carries no tables.
+    """
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line in _TABLES:
+            current = tables.setdefault(line, {})
+        elif current is not None:
+            row = line.split(" ", 1)
+            if len(row) == 2 and row[0].isdigit():
+                current[int(row[0])] = row[1]
+            else:
+                current = None
+                if len(tables) == len(_TABLES):
+                    break
+    if len(tables) < len(_TABLES):
+        return {}
+
+    def field(text: str, name: str) -> int:
+        m = re.search(name + r"=(\d+)", text)
+        return int(m.group(1)) if m else 0
+
+    names = {i: t.strip('"') for i, t in tables["FileNames"].items()}
+    funcs = {i: t.strip('"') for i, t in tables["FunctionNames"].items()}
+    locations = {i: Frame(names.get(field(t, "file_name_id"), ""),
+                          funcs.get(field(t, "function_name_id"), ""), field(t, " line"))
+                 for i, t in tables["FileLocations"].items()}
+    frames = {i: (locations.get(field(t, "file_location_id")), field(t, "parent_frame_id") - 1)
+              for i, t in tables["StackFrames"].items()}
+    out: dict[int, tuple[Frame, ...]] = {}
+    for start in frames:
+        chain, i, seen = [], start, set()
+        while i in frames and i not in seen:
+            seen.add(i)
+            location, i = frames[i]
+            if location is not None:
+                chain.append(location)
+        out[start] = tuple(chain)
+    return out
+
+
 def _split_computations(text: str) -> tuple[dict[str, list[str]], str]:
     comps: dict[str, list[str]] = {}
     entry, current = "", None
@@ -133,9 +213,17 @@ def _split_computations(text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+# Branch weights: {number of branches: executions of each branch per run of the conditional's
+# computation, as fractions}. A conditional whose branch index is data (the pipeline schedule's
+# per-tick lax.switch) runs one branch per execution, which the HLO cannot say; without a weight
+# every branch is counted as running every time (an upper bound).
+BranchWeights = dict[int, tuple[float, ...]]
+
+
+def _executions(comps: dict[str, list[str]], entry: str,
+                branches: BranchWeights | None = None) -> dict[str, int]:
     """How many times each computation runs per call of the entry computation."""
-    callees: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    callees: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
             trip = _TRIP.search(line)
@@ -144,36 +232,54 @@ def _executions(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
                 callees[name].append((callee, factor))
             b = _BRANCHES.search(line)
             if b:
-                for callee in re.findall(r"%?([\w\.\-]+)", b.group(1)):
-                    callees[name].append((callee, 1))
-    runs: dict[str, int] = defaultdict(int)
+                targets = re.findall(r"%?([\w\.\-]+)", b.group(1))
+                weights = (branches or {}).get(len(targets), (1,) * len(targets))
+                for callee, w in zip(targets, weights):
+                    callees[name].append((callee, w))
+    runs: dict[str, float] = defaultdict(float)
 
-    def visit(name: str, times: int, depth: int = 0):
+    def visit(name: str, times: float, depth: int = 0):
         runs[name] += times
         if depth < 64:
             for callee, factor in callees.get(name, ()):
                 visit(callee, times * factor, depth + 1)
 
     visit(entry, 1)
-    return runs
+    return {k: int(round(v)) for k, v in runs.items()}
 
 
-def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[CollectiveOp]:
+def collectives(hlo_text: str, mesh_shape: dict[str, int],
+                branches: BranchWeights | None = None) -> list[CollectiveOp]:
     """Every collective in ``hlo_text``, with mesh axes and per-step execution counts."""
     n_devices = math.prod(mesh_shape.values())
     comps, entry = _split_computations(hlo_text)
-    runs = _executions(comps, entry)
+    runs = _executions(comps, entry, branches)
+    traces = tracebacks(hlo_text)
+
+    def origin(text: str) -> tuple[str, tuple[Frame, ...]]:
+        name, frame = _OP_NAME.search(text), _FRAME_ID.search(text)
+        return (name.group(1) if name else "",
+                traces.get(int(frame.group(1)), ()) if frame else ())
+
     ops: list[CollectiveOp] = []
     for comp, lines in comps.items():
         if not runs.get(comp):
             continue
-        done_shapes: dict[str, str] = {}
+        done: dict[str, tuple[str, str]] = {}  # async start -> (its done, the done's shape)
+        element_origin: dict[tuple[str, int], str] = {}  # (tuple op, index) -> GTE's metadata
+        root = None  # the instruction whose value is the step's outputs
         for line in lines:
             m = _INSTR.match(line)
+            if m and comp == entry and line.lstrip().startswith("ROOT"):
+                root = m.group(1)
             if m and m.group(3).endswith("-done"):
                 operand = re.match(r"\s*%?([\w\.\-]+)", m.group(4))
                 if operand:
-                    done_shapes[operand.group(1)] = m.group(2)
+                    done[operand.group(1)] = (m.group(1), m.group(2))
+            elif m and m.group(3) == "get-tuple-element":
+                g = _GTE.search(line)
+                if g:
+                    element_origin[(g.group(1), int(g.group(2)))] = m.group(4)
         for line in lines:
             m = _INSTR.match(line)
             if not m:
@@ -182,22 +288,135 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[CollectiveOp]
             kind = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
             if kind not in KINDS:
                 continue
+            result = name
             if opcode.endswith("-start"):
-                shape_text = done_shapes.get(name, shape_text)
+                result, shape_text = done.get(name, (name, shape_text))
             sizes = _shape_bytes(shape_text)
             groups = parse_replica_groups(rest, n_devices)
             group_size = 2 if kind == "collective-permute" else len(groups[0])
             if group_size == 1:  # e.g. a psum over a size-1 axis: XLA keeps it, nothing moves
                 continue
-            nbytes = sum(sizes)
             if kind == "reduce-scatter":
-                nbytes *= group_size
-            op_name = _OP_NAME.search(rest)
+                sizes = [b * group_size for b in sizes]
+            own = origin(rest)
+            parts = []
+            for i, b in enumerate(sizes):
+                element = element_origin.get((result, i))
+                if element is not None and len(sizes) > 1 and "metadata=" in element:
+                    parts.append(Part(b, *origin(element)))
+                elif element is None and i > 0:  # fused into the step's outputs: nothing kept
+                    parts.append(Part(b, "", (), lost=True, output=i if result == root else None))
+                else:  # the op's own, which XLA takes from its first operand; or an op XLA split
+                    parts.append(Part(b, *own))
             ops.append(CollectiveOp(
                 kind=kind, axes=groups_to_axes(groups, mesh_shape), group_size=group_size,
-                bytes=nbytes, tensors=len(sizes), executions=runs[comp], computation=comp,
-                op_name=op_name.group(1) if op_name else ""))
+                bytes=sum(sizes), tensors=len(sizes), executions=runs[comp], computation=comp,
+                op_name=own[0], parts=tuple(parts)))
     return ops
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_OPERATORS = _PACKAGE + "collectives.py"  # the named Megatron / ZeRO operators
+_PLUMBING = (_OPERATORS, _PACKAGE + "execution.py", _PACKAGE + "sharding.py")  # and dispatch
+_EINSUM = re.compile(r"[\w.]+(?:,[\w.]+)*->[\w.]*")
+
+# Flax module class -> [(attribute path, ancestor classes nearest first)], e.g.
+# {"Attention": [("blocks/attn", ("Block", "Transformer"))]} (jaxtp.inspect.module_paths).
+ModulePaths = dict[str, list[tuple[str, tuple[str, ...]]]]
+
+
+def _fold(function: str) -> str:
+    """A closure is named by the function that defines it: ``f.<locals>.g`` -> ``f``."""
+    return function.split(".<locals>.")[0]
+
+
+def _primitive(op_name: str) -> str:
+    """The primitive at the end of a name stack; a ``dot_general`` by its einsum spec."""
+    last = [t for t in re.split(r"[/():]", op_name) if t]
+    if not last:
+        return ""
+    spec = _EINSUM.findall(op_name)
+    return spec[-1] if last[-1] == "dot_general" and spec else last[-1]
+
+
+def _module(frames: tuple[Frame, ...], i: int, modules: ModulePaths) -> str | None:
+    """Frame ``i`` as a module path (``blocks/attn``, ``embed.attend``) if it is a method of one
+    of the model's modules. A class used at several paths is told apart by the module methods
+    enclosing the frame, which must agree with the path's ancestors as far as both go."""
+    cls, _, method = frames[i].function.partition(".")
+    if cls not in modules or not method or "." in method:
+        return None
+    enclosing: list[str] = []
+    for f in frames[i + 1:]:
+        c = f.function.partition(".")[0]
+        if c in modules and (not enclosing or enclosing[-1] != c):
+            enclosing.append(c)
+    paths = modules[cls]
+    matched = [p for p, up in paths
+               if up[:len(enclosing)] == tuple(enclosing[:len(up)])] or [p for p, _ in paths]
+    path = "|".join(matched) or cls
+    return path if method == "__call__" else f"{path}.{method}"
+
+
+def source(part: Part, modules: ModulePaths | None = None,
+           outputs: list[str] | None = None) -> str:
+    """Where a collective operand comes from, as ``WHERE: WHAT`` (one of them when they agree or
+    the other is unknown), with `` (backward)`` when its name stack shows a transpose: it runs in
+    the backward pass (a transposed op, or a forward op recomputed there).
+
+    WHERE is the innermost frame of jaxtp outside the operator plumbing (``collectives.py``,
+    ``execution.py``, ``sharding.py``) and module-private helpers (``_name``): a method of a model
+    module, by its attribute path (``blocks/attn``, ``embed.attend`` for a method other than
+    ``__call__``), or a function, closures folded into the function defining them
+    (``sync_grads``, ``Trainer.step_fn``).
+    WHAT is the innermost operator of ``collectives.py`` (``reduce_from_model``,
+    ``copy_to_model``, ``gather_shard``); else the library function called below WHERE: the
+    innermost closure there (optax's ``clip_by_global_norm``), or the outermost library frame
+    (``tree_norm``); else, for a collective XLA's partitioner inserted (GSPMD mode), the
+    primitive it partitions, a dot by its einsum spec (``bsnh,nhd->bsd``). An operand whose
+    origin XLA dropped (``lost``) is named by the step output it is, from ``outputs`` (the
+    step's flat output names), if it is one.
+    """
+    if part.lost:
+        if outputs and part.output is not None and part.output < len(outputs):
+            return f"(fused) output: {outputs[part.output]}"
+        return "(fused, origin lost)"
+    modules = modules or {}
+    frames = part.frames
+    ours = [i for i, f in enumerate(frames) if f.file.startswith(_PACKAGE)]
+    w = next((i for i in ours if frames[i].file not in _PLUMBING
+              and not frames[i].function.startswith("_")), len(frames))
+    where = ""
+    if w < len(frames):
+        where = _module(frames, w, modules) or _fold(frames[w].function)
+    what = next((frames[i].function for i in ours if frames[i].file == _OPERATORS), "")
+    if not what:
+        library = [f.function for f in frames[:w] if not f.file.startswith(_PACKAGE)]
+        closures = [f for f in library if ".<locals>." in f]
+        what = _fold(closures[0] if closures else library[-1]) if library else \
+            _primitive(part.op_name)
+    text = where if what in ("", where) else f"{where}: {what}" if where else what
+    return (text or "(unknown)") + (" (backward)" if "transpose(" in part.op_name else "")
+
+
+def census_by_source(ops: list[CollectiveOp], modules: ModulePaths | None = None,
+                     outputs: list[str] | None = None) -> list[dict]:
+    """Aggregate operands by (:func:`source`, kind, mesh axes), largest bytes first: ops per step
+    (a fused op counts once for each source among its operands), tensors and bytes per device."""
+    table: dict[tuple[str, str, tuple[str, ...]], dict] = {}
+    for op in ops:
+        seen = set()
+        for part in op.parts:
+            key = (source(part, modules, outputs), op.kind, op.axes)
+            row = table.setdefault(key, {"source": key[0], "kind": op.kind,
+                                         "axes": list(op.axes), "count": 0, "tensors": 0,
+                                         "bytes": 0})
+            if key not in seen:
+                row["count"] += op.executions
+                seen.add(key)
+            row["tensors"] += op.executions
+            row["bytes"] += part.bytes * op.executions
+    return sorted(table.values(), key=lambda r: (-r["bytes"], r["source"]))
 
 
 def census(ops: list[CollectiveOp]) -> list[dict]:
@@ -221,12 +440,12 @@ def _dims(shape_text: str) -> list[int] | None:
     return [int(x) for x in m.group(2).split(",") if x] if m else None
 
 
-def dot_flops(hlo_text: str) -> float:
+def dot_flops(hlo_text: str, branches: BranchWeights | None = None) -> float:
     """Matmul FLOPs per step per device: ``2 x |result| x |contracted|`` for every ``dot``,
     multiplied by how often its computation runs (XLA's own cost analysis counts a ``while`` body
     once, whatever its trip count)."""
     comps, entry = _split_computations(hlo_text)
-    runs = _executions(comps, entry)
+    runs = _executions(comps, entry, branches)
     total = 0.0
     for comp, lines in comps.items():
         if not runs.get(comp):
