@@ -70,6 +70,19 @@ def to_natural_order(tree, p: int, v: int, units: int):
     return _reorder(tree, p, v, units, inverse=True)
 
 
+def branch_weights(engine, rank: int = 0) -> dict[int, tuple[float, ...]]:
+    """How often pipeline ``rank`` takes each branch of the schedule's per-tick ``lax.switch``,
+    as fractions of the ticks, keyed by the branch count (:data:`jaxtp.hlo.BranchWeights`): what
+    the census needs to count the stages' collectives as executed, not once per tick each."""
+    par = engine.cfg.parallel
+    prog = pipeline.compile_schedule(schedules.build(
+        par.pipeline_schedule, engine.degrees[PIPELINE], engine.cfg.train.microbatches,
+        par.virtual_stages))
+    kinds = prog.rows[:, rank, pipeline.KIND]
+    n = len(prog.passes) + 1
+    return {n: tuple(float((kinds == k).sum()) / len(kinds) for k in range(n))}
+
+
 def value_and_grad_fn(engine, *, with_metrics: bool = False):
     """``(params, batch) -> (loss, grads)`` of the pipelined model (``with_metrics``: also ``{}``,
     as :meth:`jaxtp.engine.Engine.value_and_grad_fn`), grads in ``engine.grad_specs``."""
