@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtp import collectives
 from jaxtp.layers.ring_attention import ring_attention
-from jaxtp.sharding import Rules, constrain, without_axes, zero_axes_of
+from jaxtp.sharding import Rules, constrain, restrict, without_axes, zero_axes_of
 
 
 GATHERED = "zero_gathered"
@@ -106,7 +106,19 @@ class LocalOps:
 
 
 def _all_gather_leaf(x, dim, axes, spec):
-    return collectives.gather_shard(x, axes, dim)
+    """All-gather of a ZeRO shard over its (manual) ``axes``. Where the region leaves other mesh
+    axes to the partitioner (GSPMD mode: ``model``), the gather runs in a nested region manual
+    over those the tensor is split on, on each device's TP block: left to itself, the
+    partitioner replicates the shard over ``model`` first and gathers (and reduce-scatters in
+    backward) whole weights, ``t`` times the bytes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    tp = restrict(spec, auto)
+    split = frozenset(a for e in tp if e for a in ((e,) if isinstance(e, str) else e))
+    if not split:
+        return collectives.gather_shard(x, axes, dim)
+    return jax.shard_map(lambda a: collectives.gather_shard(a, axes, dim), mesh=mesh,
+                         in_specs=tp, out_specs=tp, axis_names=split)(x)
 
 
 def gather_params(state: nnx.State, specs) -> nnx.State:

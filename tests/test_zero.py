@@ -154,6 +154,23 @@ def test_gradient_sync_census(mode, stage):
         assert forward == backward == layer_bytes  # gathered again in backward, not saved
 
 
+def test_zero3_with_tp_gathers_each_tp_shard_in_both_modes():
+    """data=4 x model=2: a ZeRO-3 gather moves each device's TP block over ``data`` in GSPMD mode
+    as in explicit mode (left alone, the partitioner replicated the shard over ``model`` first:
+    an extra all-gather over ``model`` and t times the bytes over ``data``)."""
+    ops = {}
+    for mode in ("gspmd", "explicit"):
+        eng = engine.build(_cfg(f"parallel.mode={mode}", "parallel.model=2", "parallel.data=4",
+                                "parallel.zero_stage=3"))
+        params, batch = eng.abstract_inputs()
+        text = eng.loss_and_grad().lower(params, batch).compile().as_text()
+        ops[mode] = hlo.collectives(text, mesh_shape(eng.mesh))
+    for kind in ("all-gather", "reduce-scatter"):
+        on_data = {m: _bytes(o, kind, lambda o: o.axes == ("data",)) for m, o in ops.items()}
+        assert on_data["gspmd"] == on_data["explicit"] > 0, kind
+    assert not [o for o in ops["gspmd"] if o.kind == "all-gather" and "model" in o.axes]
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_one_sync_per_step_under_microbatching(stage):
     one, grad_bytes = _data_ops([f"parallel.zero_stage={stage}", "train.microbatches=1"])
