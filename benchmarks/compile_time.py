@@ -128,7 +128,7 @@ def to_markdown(r: dict, command: str) -> str:
         f"cache off; best of {r['repeats']} (all totals listed)",
         f"- machine: {r['machine']}",
         f"- code: {r['git']}; {r['date']}; `{command}`", "",
-        f"## vs depth (data=2 x model=4, 8 simulated devices)", "",
+        "## vs depth (data=2 x model=4, 8 simulated devices)", "",
         f"48 layers / 4 layers = **{r['ratio_48_over_4']:.2f}x** (target <= {r['target']}x: "
         f"**{verdict}**)", "",
         "| n_layers | lower (s) | compile (s) | total (s) | vs 4 layers | HLO text (kchars) | "

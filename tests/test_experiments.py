@@ -38,3 +38,30 @@ def test_activation_memory_quick(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "activation_memory_quick.md").is_file()
     assert (tmp_path / "activation_memory_quick.png").is_file()
+
+
+def test_pipeline_bubble_quick(tmp_path):
+    """p=2, m in {4, 8}: the executed GPipe and 1F1B tables have the bubble (p-1)/(m+p-1); at a
+    fixed micro-batch size 1F1B's compiled temporaries stay flat in m (<= 1.1x) while GPipe's
+    grow by at least its extra stored stage inputs. LLVM at -O0 halves the compiles and leaves
+    the buffer assignment, so the byte counts, unchanged."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    proc = subprocess.run(
+        [sys.executable, "experiments/pipeline_bubble.py", "--quick", "--out", str(tmp_path)],
+        cwd=REPO, env=dict(os.environ, XLA_FLAGS=flags.strip()), capture_output=True, text=True,
+        timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "pipeline_bubble_quick.png").is_file()
+    rows = {}  # (schedule, m) -> row of the results table, read back from the markdown
+    for line in (tmp_path / "pipeline_bubble_quick.md").read_text().splitlines():
+        cols = [c.strip() for c in line.strip("|").split("|")]
+        if len(cols) > 10 and cols[0] == "2":
+            rows[cols[2], int(cols[1])] = cols
+    assert set(rows) == {(s, m) for s in ("gpipe", "1f1b") for m in (4, 8)}
+    p, slot = 2, 2 * 32 * 64 * 4  # one stored stage input: b x s x h fp32
+    for (_, m), cols in rows.items():
+        assert float(cols[4]) == float(cols[5]) == round((p - 1) / (m + p - 1), 4)
+    temp = {k: int(cols[10].replace(",", "")) for k, cols in rows.items()}
+    assert temp["1f1b", 8] <= 1.1 * temp["1f1b", 4], temp
+    assert temp["gpipe", 8] - temp["gpipe", 4] >= (8 - 4) * slot, temp
+    assert int(rows["gpipe", 8][8]) == 8 and int(rows["1f1b", 8][8]) == p  # act slots
