@@ -13,8 +13,13 @@ from jaxtp.config import TrainConfig
 
 
 def schedule(t: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 over ``warmup_steps``, then cosine decay to ``lr x min_lr_ratio`` at
+    ``steps``; ``warmup_steps=0`` starts at the peak ``lr`` on the first step."""
+    if t.warmup_steps == 0:
+        return optax.cosine_decay_schedule(init_value=t.lr, decay_steps=max(t.steps, 1),
+                                           alpha=t.min_lr_ratio)
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=t.lr, warmup_steps=max(t.warmup_steps, 1),
+        init_value=0.0, peak_value=t.lr, warmup_steps=t.warmup_steps,
         decay_steps=max(t.steps, t.warmup_steps + 1), end_value=t.lr * t.min_lr_ratio)
 
 

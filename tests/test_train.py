@@ -95,3 +95,16 @@ def test_resume_onto_another_mesh(tmp_path):
     # reassociation (a wrong reshard, e.g. of the padded vocab rows, moves the loss by >> 1e-4)
     for a, b in zip(first, resumed):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
+
+
+def test_lr_schedule_warmup_and_decay():
+    """Linear warmup from 0 to the peak, cosine down to lr x min_lr_ratio at the last step;
+    without warmup the first step already uses the peak."""
+    from jaxtp.config import TrainConfig
+    from jaxtp.optim import schedule
+
+    warm = schedule(TrainConfig(lr=1e-3, warmup_steps=10, steps=100, min_lr_ratio=0.1))
+    np.testing.assert_allclose([warm(0), warm(5), warm(10), warm(100)], [0, 5e-4, 1e-3, 1e-4],
+                               rtol=1e-6, atol=1e-12)
+    cold = schedule(TrainConfig(lr=1e-3, warmup_steps=0, steps=100, min_lr_ratio=0.1))
+    np.testing.assert_allclose([cold(0), cold(50), cold(100)], [1e-3, 5.5e-4, 1e-4], rtol=1e-6)
