@@ -188,9 +188,9 @@ def why(rows: list[dict]) -> list[str]:
         "without CP; the model ignores ring attention's causal load imbalance and chunked-kernel "
         "inefficiency). Its eq. 3 figure exceeds what the GPUs compute when no recompute is "
         "done; the MFU is the honest number. "
-        + f"{sum(r['full']['fits'] and r['full']['p'] > 1 for r in rows)} of these {len(rows)} "
-        "picks need pipeline parallelism, which this version of jaxtp does not run yet "
-        "(`jaxtp plan` marks what it runs).",
+        + f"{sum(r['full']['fits'] and r['full']['p'] > 1 and r['full']['cp'] > 1 for r in rows)}"
+        f" of these {len(rows)} picks combine a pipeline with context parallelism, which this "
+        "version of jaxtp runs only separately (`jaxtp plan` marks what it runs).",
     ]
 
 
