@@ -75,6 +75,19 @@ class Schedule:
             peak = max(peak, live)
         return peak
 
+    def lockstep_time(self, forward: float = 1.0, backward: float = 3.0) -> float:
+        """Step time when every tick lasts as long as its slowest pass, as in jaxtp's runtime
+        (:mod:`jaxtp.pipeline`: one pass per rank per tick, then the transfers): a tick costs
+        ``backward`` if any rank runs a B in it, ``forward`` if only F s, per chunk (``/ v``).
+        The default 1 : 3 is jaxtp's B, which recomputes the stage forward before its backward.
+        Compare ``m * (forward + backward)``, one rank's busy time: GPipe's ticks
+        are all-F or all-B and meet the textbook bubble; 1F1B's steady state mixes F on some
+        ranks with B on others, so most of its ticks cost a B."""
+        kinds: dict[int, set[str]] = {}
+        for t in self.table:
+            kinds.setdefault(t.tick, set()).add(t.kind)
+        return sum(backward if "B" in k else forward for k in kinds.values()) / self.v
+
     def grid(self) -> list[list[str]]:
         """``[device][tick]`` labels (``F3``, ``B0``, ``.`` idle; interleaved adds the chunk,
         ``F3.1``), for printing and plots."""

@@ -117,7 +117,7 @@ def test_trained_step_equals_unpipelined_and_checkpoints_move_between_layouts(tm
     trainer, state = results["piped"]
     natural = jax.tree.map(np.asarray, trainer.engine.natural_layers(state))
     testing.assert_trees_close(natural.params, jax.tree.map(np.asarray, results["flat"][1].params),
-                               rtol=1e-4, atol=1e-6)
+                               rtol=1e-4, atol=1e-5)  # a peak-lr Adam step: see test_zero
 
     ckpt = Checkpointer(tmp_path, keep=1, cfg=piped, layer_order=trainer.engine.natural_layers)
     ckpt.save(1, state, data_state={"step": 1})

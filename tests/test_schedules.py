@@ -85,3 +85,14 @@ def test_a_deadlocking_order_is_reported():
     orders[1] = orders[1][::-1]  # backward before its forward
     with pytest.raises(ScheduleError, match="deadlock"):
         schedules.simulate("gpipe", orders, 2, 2)
+
+
+def test_lockstep_time():
+    """jaxtp's runtime waits for the slowest pass of each tick. GPipe's ticks are all-F or all-B:
+    (m + p - 1)(f + b), the textbook bubble. 1F1B at p=2, m=2 (grid F0 F1 . B0 . B1 over
+    . F0 B0 F1 B1 .): ticks F, F, B, B+F, B, B = 1 + 1 + 3 + 3 + 3 + 3 = 14 against GPipe's 12."""
+    for p, m in [(2, 2), (4, 8)]:
+        assert schedules.build("gpipe", p, m).lockstep_time(1, 3) == (m + p - 1) * 4
+        s = schedules.build("1f1b", p, m)
+        assert s.lockstep_time(1, 1) == s.ticks
+    assert schedules.build("1f1b", 2, 2).lockstep_time(1, 3) == 14

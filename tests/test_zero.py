@@ -3,9 +3,10 @@ collectives DESIGN.md names, and checkpoints that move between stages and meshes
 
 Tolerances: fp32 throughout. Loss and gradients against the single-device reference use the
 2e-5 / 2e-6 of test_model_parallel (float32 reassociation of the collectives). Parameter
-trajectories over three AdamW steps use 1e-4 / 1e-6: Adam divides by sqrt(v), which amplifies
-reassociation noise in the tiny early moments, yet a missing or doubled gradient sync moves
-parameters by O(lr) = 3e-4 absolute in the first step, far outside it.
+trajectories over three AdamW steps (all three at the peak lr: warmup_steps=0) use 1e-4 / 1e-5:
+Adam divides by sqrt(v), which amplifies reassociation noise in the tiny early moments (seen: one
+element in 32768 off by 1.6e-6), yet a missing or doubled gradient sync moves parameters by
+O(lr) = 3e-4 absolute in the first step, 30x outside it.
 """
 
 import math
@@ -64,7 +65,7 @@ def test_trajectory_equals_stage_0(stage0, mode, overrides):
         _cfg(f"parallel.mode={mode}", "parallel.model=2", *overrides))
     ref_losses, ref_params, _, _ = stage0[mode]
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-    testing.assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-6)
+    testing.assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-5)
     # the state really is laid out as the stage says
     eng = trainer.engine
     wqkv = state.params["blocks"]["attn"]["w_qkv"][...]
