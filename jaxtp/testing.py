@@ -121,3 +121,22 @@ def saved_activation_bytes(cfg: Config, devices=None) -> int:
     """Bytes of :func:`saved_residuals`. Per layer: the difference between ``model.n_layers`` =
     L+1 and L (the scan stacks the layer residuals along ``layers``; embedding and loss cancel)."""
     return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in saved_residuals(cfg, devices))
+
+
+def assert_restores(directory, step: int, trainer, want, *, layer_order=None) -> None:
+    """The checkpoint ``step`` under ``directory`` restores onto ``trainer``'s layout in exactly
+    the shardings ``trainer.abstract_state()`` asks for, and bit-equal to ``want`` (host arrays
+    in the state's tree order). ``layer_order``: the target's ``Engine.natural_layers`` when its
+    layers are stored in pipeline order."""
+    from jaxtp.checkpoint import Checkpointer  # orbax is only needed here
+
+    like = trainer.abstract_state()
+    ckpt = Checkpointer(directory, keep=1, cfg=trainer.cfg, layer_order=layer_order)
+    try:
+        restored, _ = ckpt.restore(step, like=like)
+    finally:
+        ckpt.close()
+    for got, expected, spec in zip(jax.tree.leaves(restored), jax.tree.leaves(want),
+                                   jax.tree.leaves(like)):
+        assert got.sharding == spec.sharding, (got.sharding, spec.sharding)
+        np.testing.assert_array_equal(np.asarray(got), expected)

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_throughput_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/throughput.py", "--shape", "tiny", "--steps", "1",
-         "--rounds", "1", "--warmup", "0", "--layouts", "data=2 x model=4", "pipeline",
+         "--rounds", "1", "--warmup", "0", "--layouts", "model=4, explicit", "pipeline",
          "--out", str(tmp_path)],
         cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -124,15 +124,8 @@ def test_trained_step_equals_unpipelined_and_checkpoints_move_between_layouts(tm
     ckpt.close()
     for target, want in ((Trainer(_cfg(*base, "parallel.data=8")), natural),
                          (trainer, jax.tree.map(np.asarray, state))):
-        like = target.abstract_state()
-        ckpt = Checkpointer(tmp_path, keep=1, cfg=target.cfg,
-                            layer_order=target.engine.natural_layers)
-        restored, _ = ckpt.restore(1, like=like)
-        ckpt.close()
-        for got, expected, spec in zip(jax.tree.leaves(restored), jax.tree.leaves(want),
-                                       jax.tree.leaves(like)):
-            assert got.sharding == spec.sharding
-            np.testing.assert_array_equal(np.asarray(got), expected)
+        testing.assert_restores(tmp_path, 1, target, want,
+                                layer_order=target.engine.natural_layers)
 
 
 def test_eval_loss_through_the_pipeline():
