@@ -1,11 +1,15 @@
 """Where a jaxtp step's time goes on the simulated CPU mesh, next to the plain baseline.
 
 For the baseline and a few jaxtp layouts it times, interleaved round-robin, the forward loss, the
-loss and gradients, and the full train step (the optimizer's share is the difference), and counts
-the ops of the compiled full step (dots, fusions, copies, transposes, collectives, and whether the
-donated state is aliased to the output). A second table measures the matmul ceiling of the
-simulation: the same FLOPs as one big single-device matmul, split into the per-device matmuls a
-layout runs (8 devices sharing the host's cores).
+loss and gradients, the full train step, and two parts of the step measured alone on the same
+shardings: the optimizer update (clip + AdamW + apply, the state donated) and, for layouts with
+data parallelism, the data-parallel gradient all-reduce (the same per-device bytes over the same
+axes, nothing else). Each is reported as wall time and as CPU time (user + system, all threads of
+the process): 8 simulated devices share the host's cores, so CPU time is the work a layout adds.
+It also counts the ops of the compiled full step (dots, fusions, copies, transposes, collectives,
+and whether the donated state is aliased to the output). A second table measures the matmul
+ceiling of the simulation: the same FLOPs as one big single-device matmul, split into the
+per-device matmuls a layout runs (8 devices sharing the host's cores).
 
     python benchmarks/step_breakdown.py [--shape gpt2-small-ish] [--repeats 3] [--hlo-dir DIR]
 """
@@ -14,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import re
+import resource
 import statistics
 import sys
 import time
@@ -34,7 +40,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 import baseline  # noqa: E402
 from throughput import baseline_shape  # noqa: E402
 from jaxtp import config as config_lib  # noqa: E402
-from jaxtp.train import Trainer  # noqa: E402
+import optax  # noqa: E402
+
+from jaxtp.train import Trainer, TrainState  # noqa: E402
 
 VARIANTS = {
     "data=2 x model=4": ("parallel.data=2", "parallel.model=4"),
@@ -62,6 +70,62 @@ def timeit(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def timeit_cpu(fn) -> tuple[float, float]:
+    """(wall, CPU) seconds of one call, CPU = user + system time of every thread."""
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0, cpu_seconds() - c0
+
+
+def dp_sync_fn(engine):
+    """The data-parallel gradient all-reduce alone: each device's gradient shard (the per-device
+    shapes of the engine's gradient specs), summed over the data-parallel axes the step syncs
+    over; ``None`` when no axis replicates the parameters. Inputs carry a leading axis over the
+    data-parallel ranks so that every rank holds its own values, as before the real sync."""
+    axes = tuple(a for a in ("data", "fsdp", "context") if engine.degrees[a] > 1)
+    if not axes or engine.zero.grads:  # ZeRO >= 2 reduce-scatters instead; not measured here
+        return None
+    n = math.prod(engine.degrees[a] for a in axes)
+    specs = jax.tree.leaves(engine.grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    shapes = [v.shape for v in jax.tree.leaves(engine.abstract_params)]
+    in_specs = [PartitionSpec(axes, *sp) for sp in specs]
+    grads = [jax.device_put(jnp.full((n, *shape), 1e-3, jnp.float32),
+                            NamedSharding(engine.mesh, sp)) for shape, sp in zip(shapes, in_specs)]
+
+    def body(*gs):
+        return [jax.lax.psum(g, axes) for g in gs]
+
+    sync = jax.jit(jax.shard_map(body, mesh=engine.mesh, in_specs=tuple(in_specs),
+                                 out_specs=in_specs, check_vma=False))
+    return lambda: sync(*grads)
+
+
+def optimizer_fn(tx, holder, grads, *, jaxtp_state: bool):
+    """The optimizer update alone (clip, AdamW, apply), the state donated, as the train step
+    runs it; ``holder["state"]`` is replaced by the result."""
+    def update(state, grads):
+        params = state.params if jaxtp_state else state["params"]
+        opt = state.opt_state if jaxtp_state else state["opt"]
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+        if jaxtp_state:
+            return TrainState(params, opt, state.step + 1)
+        return {"params": params, "opt": opt, "step": state["step"] + 1}
+
+    shardings = jax.tree.map(lambda x: x.sharding, holder["state"])
+    step = jax.jit(update, donate_argnums=(0,), out_shardings=shardings)
+
+    def run():
+        holder["state"] = step(holder["state"], grads)
+        return holder["state"]
+    return run
+
+
 def run_breakdown(args) -> list[dict]:
     preset, shape_overrides, desc = common.SHAPES[args.shape]
     print(f"shape: {desc}", flush=True)
@@ -86,10 +150,12 @@ def run_breakdown(args) -> list[dict]:
         return b_holder["state"], m
 
     b_hlo = b_step.lower(b_holder["state"], b_batch).compile().as_text()
+    b_grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), b_holder["state"]["params"])
     entries.append(("baseline (1 device)", {
         "fwd": lambda: b_loss(b_holder["state"]["params"], b_batch),
         "fwd+bwd": lambda: b_grad(b_holder["state"]["params"], b_batch),
-        "step": b_full}, b_hlo))
+        "step": b_full,
+        "optimizer": optimizer_fn(tx, b_holder, b_grads, jaxtp_state=False)}, b_hlo))
 
     errors = []
     for name in args.variants:
@@ -117,12 +183,17 @@ def run_breakdown(args) -> list[dict]:
             holder["state"], m = step(holder["state"], batch)
             return holder["state"], m
 
-        entries.append((f"jaxtp {name}", {
-            "fwd": lambda loss=loss, holder=holder, batch=batch: loss(holder["state"].params,
-                                                                       batch),
-            "fwd+bwd": lambda grad=grad, holder=holder, batch=batch: grad(holder["state"].params,
-                                                                           batch),
-            "step": full}, hlo))
+        grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), holder["state"].params)
+        fns = {"fwd": lambda loss=loss, holder=holder, batch=batch: loss(holder["state"].params,
+                                                                         batch),
+               "fwd+bwd": lambda grad=grad, holder=holder, batch=batch: grad(
+                   holder["state"].params, batch),
+               "step": full,
+               "optimizer": optimizer_fn(tr.tx, holder, grads, jaxtp_state=True)}
+        sync = dp_sync_fn(tr.engine)
+        if sync is not None:
+            fns["dp sync"] = sync
+        entries.append((f"jaxtp {name}", fns, hlo))
     if args.hlo_dir:
         (Path(args.hlo_dir) / "baseline.step.hlo.txt").write_text(b_hlo)
 
@@ -130,15 +201,17 @@ def run_breakdown(args) -> list[dict]:
     for r in range(args.repeats + 1):  # round 0 compiles and warms up
         for name, fns, _ in entries:
             for comp, fn in fns.items():
-                dt = timeit(fn)
+                # one untimed call first: switching between functions that allocate different
+                # buffers makes the first call after a switch slower (allocator page faults)
+                timeit_cpu(fn)
                 if r:
-                    times[(name, comp)].append(dt)
+                    times[(name, comp)].append(timeit_cpu(fn))
         print(f"round {r} done", flush=True)
     rows = []
-    for name, _, hlo in entries:
-        med = {c: statistics.median(times[(name, c)]) for c in ("fwd", "fwd+bwd", "step")}
-        rows.append({"name": name, **med, "optimizer": med["step"] - med["fwd+bwd"],
-                     "bwd": med["fwd+bwd"] - med["fwd"], "ops": op_counts(hlo)})
+    for name, fns, hlo in entries:
+        wall = {c: statistics.median(w for w, _ in times[(name, c)]) for c in fns}
+        cpu = {c: statistics.median(u for _, u in times[(name, c)]) for c in fns}
+        rows.append({"name": name, "wall": wall, "cpu": cpu, "ops": op_counts(hlo)})
     return rows + [{"name": n, "error": e} for n, e in errors]
 
 
@@ -188,23 +261,49 @@ def main() -> None:
              f"- shape: {common.SHAPES[args.shape][2]}",
              f"- machine: {common.machine()}; code: {common.git_state()}; "
              f"{time.strftime('%Y-%m-%d %H:%M %Z')}",
-             f"- medians of {args.repeats} interleaved rounds; bwd = (fwd+bwd) - fwd, "
-             "optimizer = step - (fwd+bwd)", "",
-             "| | fwd (ms) | bwd (ms) | optimizer (ms) | full step (ms) | dot | fusion | copy | "
+             f"- medians of {args.repeats} interleaved rounds (each timed call preceded by an "
+             "untimed one of the same function); each cell: wall ms / CPU ms "
+             "(user + system, all threads); optimizer and dp sync are measured alone on the "
+             "step's shardings; dp sync is the data-parallel gradient all-reduce (same bytes, "
+             "same axes; '-' where no axis replicates the parameters)", "",
+             "| | fwd | fwd+bwd | optimizer | dp sync | full step | dot | fusion | copy | "
              "transpose | all-reduce | all-gather | reduce-scatter | all-to-all | "
              "coll.-permute | state aliased |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+    def cell(r, comp):
+        if comp not in r["wall"]:
+            return "-"
+        return f"{1e3 * r['wall'][comp]:.0f} / {1e3 * r['cpu'][comp]:.0f}"
+
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | error: {r['error']} |" + " |" * 13)
+            lines.append(f"| {r['name']} | error: {r['error']} |" + " |" * 14)
             continue
         o = r["ops"]
         lines.append(
-            f"| {r['name']} | {1e3 * r['fwd']:.0f} | {1e3 * r['bwd']:.0f} | "
-            f"{1e3 * r['optimizer']:.0f} | {1e3 * r['step']:.0f} | {o['dot']} | {o['fusion']} | "
+            f"| {r['name']} | {cell(r, 'fwd')} | {cell(r, 'fwd+bwd')} | {cell(r, 'optimizer')} | "
+            f"{cell(r, 'dp sync')} | {cell(r, 'step')} | {o['dot']} | {o['fusion']} | "
             f"{o['copy']} | {o['transpose']} | {o['all-reduce'] + o['all-reduce-start']} | "
             f"{o['all-gather']} | {o['reduce-scatter']} | {o['all-to-all']} | "
             f"{o['collective-permute']} | {o['aliased']} |")
+    base = next((r for r in rows if r["name"].startswith("baseline") and "error" not in r), None)
+    if base is not None:
+        lines += ["", "What the step costs beyond the baseline, in CPU ms (the simulated devices "
+                  "share the cores, so CPU time is the budget): the layout's full step, its "
+                  "data-parallel sync and its optimizer's extra work over the baseline's, and "
+                  "what is left for the model itself.", "",
+                  "| | full step | dp sync | optimizer - baseline's | rest (model) | "
+                  "baseline full step |", "|---|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            if "error" in r or r is base:
+                continue
+            c, b = r["cpu"], base["cpu"]
+            sync = c.get("dp sync", 0.0)
+            extra_opt = c["optimizer"] - b["optimizer"]
+            lines.append(f"| {r['name']} | {1e3 * c['step']:.0f} | {1e3 * sync:.0f} | "
+                         f"{1e3 * extra_opt:.0f} | {1e3 * (c['step'] - sync - extra_opt):.0f} | "
+                         f"{1e3 * b['step']:.0f} |")
     lines += ["", "(op counts are static: a loop body's ops are counted once)", "",
               "## Matmul ceiling of the simulation (fp32, same FLOPs)", "",
               "| case | one device | split over 8 devices | one device GFLOP/s | "
