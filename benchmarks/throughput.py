@@ -9,10 +9,10 @@ per second over a matmul peak measured in the same run (best of ``jaxtp.train.me
 before and after). The 8 simulated devices share the host's cores, so ~1.0x the single-device
 baseline is the realistic ceiling on CPU: this measures jaxtp's overhead, not a parallel speed-up.
 
-Layouts the installed jaxtp refuses (``ConfigError`` from ``jaxtp.mesh.validate``: sequence /
-context / pipeline parallelism not landed yet) are reported as "not landed" rows.
+Layouts the installed jaxtp refuses (``ConfigError`` from ``jaxtp.mesh.validate``) are reported
+as "not landed" rows (all of the listed ones run today).
 
-    python benchmarks/throughput.py [--shape gpt2-small-ish|tiny] [--steps N] [--rounds 3]
+    python benchmarks/throughput.py [--shape gpt2-small-ish|tiny] [--steps N] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(common.SHAPES), default="gpt2-small-ish")
     p.add_argument("--steps", type=int, default=None,
                    help="steps per timed block (default: 1 for gpt2-small-ish, 10 for tiny)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved A B pairs per layout")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved A B pairs per layout")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the compile")
     p.add_argument("--layouts", nargs="*", default=None,
                    help="only layouts whose label contains one of these strings")
