@@ -86,8 +86,9 @@ def timeit_cpu(fn) -> tuple[float, float]:
 def dp_sync_fn(engine):
     """The data-parallel gradient all-reduce alone: each device's gradient shard (the per-device
     shapes of the engine's gradient specs), summed over the data-parallel axes the step syncs
-    over; ``None`` when no axis replicates the parameters. Inputs carry a leading axis over the
-    data-parallel ranks so that every rank holds its own values, as before the real sync."""
+    over, and an elementwise pass over the same per-device arrays for scale; ``None`` when no
+    axis replicates the parameters. Inputs carry a leading axis over the data-parallel ranks so
+    that every rank holds its own values, as before the real sync."""
     axes = tuple(a for a in ("data", "fsdp", "context") if engine.degrees[a] > 1)
     if not axes or engine.zero.grads:  # ZeRO >= 2 reduce-scatters instead; not measured here
         return None
@@ -101,9 +102,13 @@ def dp_sync_fn(engine):
     def body(*gs):
         return [jax.lax.psum(g, axes) for g in gs]
 
-    sync = jax.jit(jax.shard_map(body, mesh=engine.mesh, in_specs=tuple(in_specs),
-                                 out_specs=in_specs, check_vma=False))
-    return lambda: sync(*grads)
+    def scale(*gs):  # the reference: one elementwise pass over the same per-device bytes
+        return [g * 1.0001 for g in gs]
+
+    sync, ref = (jax.jit(jax.shard_map(f, mesh=engine.mesh, in_specs=tuple(in_specs),
+                                       out_specs=in_specs, check_vma=False))
+                 for f in (body, scale))
+    return (lambda: sync(*grads)), (lambda: ref(*grads))
 
 
 def optimizer_fn(tx, holder, grads, *, jaxtp_state: bool):
@@ -193,7 +198,7 @@ def run_breakdown(args) -> list[dict]:
                "optimizer": optimizer_fn(tr.tx, holder, grads, jaxtp_state=True)}
         sync = dp_sync_fn(tr.engine)
         if sync is not None:
-            fns["dp sync"] = sync
+            fns["dp sync"], fns["elementwise"] = sync
         entries.append((f"jaxtp {name}", fns, hlo))
     if args.hlo_dir:
         (Path(args.hlo_dir) / "baseline.step.hlo.txt").write_text(b_hlo)
@@ -266,11 +271,13 @@ def main() -> None:
              "untimed one of the same function); each cell: wall ms / CPU ms "
              "(user + system, all threads); optimizer and dp sync are measured alone on the "
              "step's shardings; dp sync is the data-parallel gradient all-reduce (same bytes, "
-             "same axes; '-' where no axis replicates the parameters)", "",
-             "| | fwd | fwd+bwd | optimizer | dp sync | full step | dot | fusion | copy | "
+             "same axes; '-' where no axis replicates the parameters), elementwise one fused "
+             "`x * c` over the sync's per-device arrays, for scale", "",
+             "| | fwd | fwd+bwd | optimizer | dp sync | elementwise | full step | dot | fusion | "
+             "copy | "
              "transpose | all-reduce | all-gather | reduce-scatter | all-to-all | "
              "coll.-permute | state aliased |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
     def cell(r, comp):
         if comp not in r["wall"]:
@@ -279,12 +286,13 @@ def main() -> None:
 
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['name']} | error: {r['error']} |" + " |" * 14)
+            lines.append(f"| {r['name']} | error: {r['error']} |" + " |" * 15)
             continue
         o = r["ops"]
         lines.append(
             f"| {r['name']} | {cell(r, 'fwd')} | {cell(r, 'fwd+bwd')} | {cell(r, 'optimizer')} | "
-            f"{cell(r, 'dp sync')} | {cell(r, 'step')} | {o['dot']} | {o['fusion']} | "
+            f"{cell(r, 'dp sync')} | {cell(r, 'elementwise')} | {cell(r, 'step')} | "
+            f"{o['dot']} | {o['fusion']} | "
             f"{o['copy']} | {o['transpose']} | {o['all-reduce'] + o['all-reduce-start']} | "
             f"{o['all-gather']} | {o['reduce-scatter']} | {o['all-to-all']} | "
             f"{o['collective-permute']} | {o['aliased']} |")
