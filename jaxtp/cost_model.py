@@ -37,7 +37,11 @@ algorithms: all-reduce 2(n-1)/n bytes, gather / scatter (n-1)/n. Exposed vs over
   and ``context``), bucketed per layer and overlapped with the last micro-batch's backward (the
   only time gradients become final), except the last bucket. ZeRO-1/2's all-gather of the
   updated parameters after the optimizer is exposed.
-- Pipeline: the bubble (p-1)/v micro-batch times; one p2p of b s h / t per tick, exposed.
+- Pipeline: one p2p of b s h / t per tick, exposed, and the bubble. ``activations="megatron"``:
+  Megatron-LM's runtime, (p-1)/v micro-batch times. ``"jaxtp"``: jaxtp's lockstep runtime, in
+  which a tick lasts as long as its slowest pass and each B re-runs its stage forward:
+  ``schedules.lockstep_factor`` x one rank's busy time, the textbook bubble for GPipe, about
+  1.5 x the busy time for 1F1B as m grows.
 The step ends with the Adam update, memory-bound over the moment shard. A group of devices uses
 the fast link iff it fits in one node, devices filling nodes in mesh order (``model`` innermost).
 
@@ -61,6 +65,7 @@ from dataclasses import dataclass
 
 from jaxtp.config import Config, ConfigError
 from jaxtp.hardware import Hardware, Link
+from jaxtp.schedules import lockstep_factor
 
 AXES = ("pipeline", "data", "fsdp", "context", "expert", "model")  # jaxtp.mesh order
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -332,7 +337,13 @@ def gather_s(nbytes: float, n: int, ln: Link) -> float:
 
 def step_time(s: Shape, layout: Layout, hw: Hardware, *,
               activations: str = "jaxtp") -> dict[str, float]:
-    """Predicted seconds per step by component (see the module docstring for what overlaps)."""
+    """Predicted seconds per step by component (see the module docstring for what overlaps).
+
+    ``activations`` also picks the pipeline runtime: ``"megatron"`` models Megatron-LM's, whose
+    passes each take their own time (bubble (p-1)/v micro-batch times); ``"jaxtp"`` models
+    jaxtp's (:mod:`jaxtp.pipeline`): each B re-runs its stage's forward (+1 forward of FLOPs and
+    of TP collectives) and every tick lasts as long as its slowest pass, so the pipelined time
+    is :func:`jaxtp.schedules.lockstep_factor` times one rank's busy time."""
     t, p, c, d, ep = layout.model, layout.pipeline, layout.context, layout.data, layout.expert
     m, v, e, pb = layout.microbatches, layout.virtual_stages, s.compute_bytes, s.param_bytes
     b = micro_batch_size(s, layout)
@@ -345,6 +356,9 @@ def step_time(s: Shape, layout: Layout, hw: Hardware, *,
     f_attn = s.attention_flops_per_token * tokens / t
     f_logits = 2 * tokens * s.d_model * s.padded_vocab(t) / t  # the last stage's head
     f_re = {"full": f_layer, "selective": f_attn}.get(remat, 0.0)
+    lockstep = p > 1 and activations == "jaxtp"
+    if lockstep:  # jaxtp's B recomputes the stage's forward (jaxtp.pipeline)
+        f_re += f_layer
     kw = dict(b=b, s_loc=s_loc, t=t, sp=layout.sequence_parallel, ring=c > 1 or s.flash,
               activations=activations)
     a_none = layer_activation_bytes(s, remat="none", **kw)
@@ -358,7 +372,7 @@ def step_time(s: Shape, layout: Layout, hw: Hardware, *,
 
     tp = 0.0
     if t > 1:
-        per_layer = 4 + (2 if remat == "full" else 0)
+        per_layer = 4 + (2 if remat == "full" else 0) + (2 if lockstep else 0)
         tp = (layers * per_layer + 2) * all_reduce_s(tokens * s.d_model * e, t,
                                                      link(layout, ("model",), hw))
     cp = 0.0
@@ -388,7 +402,11 @@ def step_time(s: Shape, layout: Layout, hw: Hardware, *,
                  + 2 * gather_s(pb * table, n_p, ln))
     micro = compute + tp + cp + moe + zero3
 
-    bubble = (p - 1) / v * micro
+    if lockstep:
+        factor = lockstep_factor(layout.pipeline_schedule, p, m, v, backward=bwd / fwd)
+        bubble = (factor - 1.0) * m * micro
+    else:
+        bubble = (p - 1) / v * micro
     p2p = 0.0
     if p > 1:
         ln = link(layout, ("pipeline",), hw)

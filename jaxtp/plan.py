@@ -101,7 +101,8 @@ def _degree_tuples(s: Shape, n: int, space: SearchSpace):
                             yield dict(pipeline=p, data=d, fsdp=z, context=c, expert=ep, model=t)
 
 
-def _schedules(s: Shape, deg: dict, local_batch: int, space: SearchSpace):
+def _schedules(s: Shape, deg: dict, local_batch: int, space: SearchSpace,
+               activations: str = "jaxtp"):
     """(schedule, virtual stages, micro-batches): micro-batch sizes that are powers of two (or the
     whole local batch), every schedule the space allows."""
     p = deg["pipeline"]
@@ -114,9 +115,11 @@ def _schedules(s: Shape, deg: dict, local_batch: int, space: SearchSpace):
             yield "1f1b", 1, m  # no pipeline: the schedule is moot
             continue
         for name in space.schedules:
-            # GPipe holds m micro-batches to 1F1B's min(m, p) for the same bubble: only worth
-            # listing where 1F1B cannot run (m < p) or is not allowed
-            gpipe = name == "gpipe" and (m < p or "1f1b" not in space.schedules)
+            # Megatron's runtime: GPipe holds m micro-batches to 1F1B's min(m, p) for the same
+            # bubble, only worth listing where 1F1B cannot run (m < p) or is not allowed. jaxtp's
+            # lockstep runtime makes 1F1B slower than GPipe: both are candidates.
+            gpipe = name == "gpipe" and (m < p or "1f1b" not in space.schedules
+                                         or activations == "jaxtp")
             if gpipe or (name == "1f1b" and m >= p):
                 yield name, 1, m
             elif name == "interleaved" and m >= p and m % p == 0:
@@ -182,7 +185,7 @@ def plan(cfg: Config, n_devices: int, hw: Hardware, *, space: SearchSpace = Sear
         deg = base.degrees()
         done = False  # without a pipeline, more micro-batches only add latency: the smallest
         # count at which no recompute fits is the fastest of them
-        for name, v, m in _schedules(s, deg, local, space):
+        for name, v, m in _schedules(s, deg, local, space, activations):
             if done:
                 break
             if not (_pinned(space, "pipeline_schedule", name)

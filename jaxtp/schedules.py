@@ -104,6 +104,30 @@ def textbook_bubble(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def lockstep_ticks(name: str, p: int, m: int, v: int = 1) -> tuple[int, int]:
+    """(ticks in which only forward passes run, ticks in which some rank runs a backward) of
+    :func:`build`'s table, in closed form (``tests/test_schedules.py`` checks it against the
+    simulated tables): GPipe ``m + p - 1`` of each; 1F1B and interleaved ``2 (v m + p - 1)`` ticks
+    of which the first ``v p`` are forward-only (the warm-up: after it every tick carries a
+    backward on some rank), for ``p >= 2``.
+    ``Schedule.lockstep_time(F, B) == (nf * F + nb * B) / v``."""
+    check(name, p, m, v)
+    if name == "gpipe":
+        return m + p - 1, m + p - 1
+    if p == 1:  # one stage: its forwards and backwards alternate, one per tick
+        return v * m, v * m
+    ticks = 2 * (v * m + p - 1)
+    return min(v * p, ticks), max(ticks - v * p, 0)
+
+
+def lockstep_factor(name: str, p: int, m: int, v: int = 1, backward: float = 3.0) -> float:
+    """jaxtp's pipelined step over one rank's busy time, ``m (F + B)``, with ``B = backward * F``:
+    ``(m + p - 1) / m`` for GPipe (the textbook bubble), more for 1F1B and interleaved, whose
+    steady-state ticks last a backward on every rank (1.5 for 1F1B as m grows, at B = 3F)."""
+    nf, nb = lockstep_ticks(name, p, m, v)
+    return (nf + backward * nb) / v / (m * (1.0 + backward))
+
+
 def check(name: str, p: int, m: int, v: int = 1) -> None:
     """Raise ScheduleError for a combination the schedule cannot run."""
     if name not in SCHEDULES:

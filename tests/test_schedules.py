@@ -96,3 +96,26 @@ def test_lockstep_time():
         s = schedules.build("1f1b", p, m)
         assert s.lockstep_time(1, 1) == s.ticks
     assert schedules.build("1f1b", 2, 2).lockstep_time(1, 3) == 14
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                     ("interleaved", 3)])
+def test_lockstep_ticks_closed_form_equals_the_simulated_tables(name, v):
+    """The planner's closed form for the forward-only / backward-carrying ticks (no table built)
+    counted from the simulated tables, and the lockstep factor it gives; 1F1B tends to 1.5 at
+    B = 3F, GPipe stays at the textbook (m + p - 1) / m."""
+    for p in (1, 2, 3, 4, 8):
+        for m in range(1, 3 * p + 3):
+            try:
+                s = schedules.build(name, p, m, v)
+            except schedules.ScheduleError:
+                continue
+            kinds = {}
+            for t in s.table:
+                kinds.setdefault(t.tick, set()).add(t.kind)
+            backward = sum("B" in k for k in kinds.values())
+            assert schedules.lockstep_ticks(name, p, m, v) == (len(kinds) - backward, backward)
+            assert schedules.lockstep_factor(name, p, m, v) == pytest.approx(
+                s.lockstep_time(1, 3) / (4 * m))
+    assert schedules.lockstep_factor("gpipe", 4, 8) == pytest.approx(11 / 8)
+    assert 1.5 < schedules.lockstep_factor("1f1b", 4, 512) < 1.51  # 1.5 + (4p - 6) / 4m
