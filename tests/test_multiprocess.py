@@ -61,8 +61,9 @@ def _finish(procs: dict[str, subprocess.Popen], tmp: Path, timeout: float) -> No
             p.kill()  # SIGKILL: JAX's preemption service catches SIGTERM
 
 
-def _log(tmp: Path, name: str) -> str:
-    return (tmp / f"{name}.log").read_text()[-4000:]
+def _log(tmp: Path, name: str, tail: int | None = 4000) -> str:
+    text = (tmp / f"{name}.log").read_text()
+    return text if tail is None else text[-tail:]
 
 
 def _losses(out: Path) -> tuple[list[int], np.ndarray]:
@@ -117,10 +118,14 @@ def test_dead_peer_is_an_error_not_a_hang(tmp_path):
     finally:
         p0.kill()
         p1.kill()
-    log = _log(tmp_path, "p0")
+    log = _log(tmp_path, "p0", tail=None)
     print(f"process 0 exited with {rc}, {elapsed:.1f} s after its peer was killed")
-    assert rc != 0, log
-    assert re.search(r"stopped sending heartbeats|another task died", log), log
+    assert rc != 0, log[-4000:]
+    # The runtime names the cause; which one it sees first is a race: the coordination service's
+    # missed heartbeats, or (when a step is in flight) the gloo collective that lost its peer,
+    # whose error repeats once per queued dispatch and can push the first line out of any tail.
+    causes = r"stopped sending heartbeats|another task died|Connection closed by peer"
+    assert re.search(causes, log), log[:2000] + "\n...\n" + log[-2000:]
     assert elapsed < heartbeat + 15, f"took {elapsed:.1f} s"
 
 
