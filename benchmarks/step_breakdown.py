@@ -51,6 +51,7 @@ VARIANTS = {
     "model=8, explicit": ("parallel.data=1", "parallel.model=8", "parallel.mode=explicit"),
     "data=8": ("parallel.data=8",),
     "data=2 x model=4, ZeRO-1": ("parallel.data=2", "parallel.model=4", "parallel.zero_stage=1"),
+    "data=2 x model=4, ZeRO-2": ("parallel.data=2", "parallel.model=4", "parallel.zero_stage=2"),
 }
 _OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(", re.M)
 COUNTED = ("dot", "fusion", "copy", "transpose", "all-reduce", "all-reduce-start", "all-gather",

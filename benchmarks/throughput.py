@@ -47,6 +47,7 @@ LAYOUTS: list[tuple[str, tuple[str, ...]]] = [
     ("data=2 x model=4", ("parallel.data=2", "parallel.model=4")),
     ("data=2 x model=4, explicit", ("parallel.data=2", "parallel.model=4",
                                     "parallel.mode=explicit")),
+    ("data=2 x model=4, ZeRO-2", ("parallel.data=2", "parallel.model=4", "parallel.zero_stage=2")),
     ("model=8", ("parallel.data=1", "parallel.model=8")),
     ("model=8, explicit", ("parallel.data=1", "parallel.model=8", "parallel.mode=explicit")),
     ("fsdp=8 (ZeRO-3 over fsdp)", ("parallel.data=1", "parallel.fsdp=8")),

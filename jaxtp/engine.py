@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtp import collectives, staging
 from jaxtp.config import Config, ConfigError, validate_model
-from jaxtp.execution import ExplicitOps, GSPMDOps, LocalOps, gather_params
+from jaxtp.execution import ExplicitOps, GSPMDOps, LocalOps, gather_params, on_tp_blocks
 from jaxtp.layers.ring_attention import positions_for_layout, to_layout
 from jaxtp.mesh import BATCH_AXES, build_mesh, validate
 from jaxtp.model import Transformer
@@ -70,13 +70,15 @@ def sync_grads(grads: nnx.State, param_specs: nnx.State, grad_specs: nnx.State,
                axes: tuple[str, ...] = BATCH_AXES) -> nnx.State:
     """The one data-parallel gradient sync per step: all-reduce (ZeRO 0/1), reduce-scatter into
     the gradient shard (ZeRO 2), nothing for ZeRO-3 shards (reduce-scattered by their gather).
-    Parameters sharded over a replica axis (e.g. ``model`` for TP weights) skip that axis."""
+    Parameters sharded over a replica axis (e.g. ``model`` for TP weights) skip that axis. A
+    reduce-scatter runs on each device's TP block (see :func:`on_tp_blocks`)."""
     def one(pspec, gspec, g):
         held = _axes_of(pspec)
         dim, gaxes = zero_axes_of(gspec)
         scatter = tuple(a for a in gaxes if a not in held)
         replicated = tuple(a for a in axes if a not in held)
-        return g.replace(collectives.sync_grads(g[...], replicated, scatter, dim))
+        sync = lambda x: collectives.sync_grads(x, replicated, scatter, dim)  # noqa: E731
+        return g.replace(on_tp_blocks(sync, g[...], pspec) if scatter else sync(g[...]))
     return _map_specs(one, param_specs, grad_specs, grads)
 
 

@@ -105,20 +105,28 @@ class LocalOps:
         return layer_params
 
 
-def _all_gather_leaf(x, dim, axes, spec):
-    """All-gather of a ZeRO shard over its (manual) ``axes``. Where the region leaves other mesh
-    axes to the partitioner (GSPMD mode: ``model``), the gather runs in a nested region manual
-    over those the tensor is split on, on each device's TP block: left to itself, the
-    partitioner replicates the shard over ``model`` first and gathers (and reduce-scatters in
-    backward) whole weights, ``t`` times the bytes."""
+def on_tp_blocks(fn, x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """``fn(x)`` on each device's TP block of ``x`` (whose full spec is ``spec``).
+
+    Inside a region manual over the batch axes that leaves other mesh axes to the partitioner
+    (GSPMD mode: ``model``), a collective over the manual axes on a TP-split tensor would be
+    partitioned badly: the partitioner replicates the operand over ``model`` first (an extra
+    all-gather) and moves ``t`` times the bytes over ``data``. A nested region manual over the
+    axes ``x`` is split on runs ``fn`` on the local block instead. ``fn`` must keep the TP dims
+    (it may resize a dim no auto axis splits). Elsewhere (explicit mode, a replicated tensor) it
+    is ``fn(x)``."""
     mesh = jax.sharding.get_abstract_mesh()
     auto = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
     tp = restrict(spec, auto)
     split = frozenset(a for e in tp if e for a in ((e,) if isinstance(e, str) else e))
     if not split:
-        return collectives.gather_shard(x, axes, dim)
-    return jax.shard_map(lambda a: collectives.gather_shard(a, axes, dim), mesh=mesh,
-                         in_specs=tp, out_specs=tp, axis_names=split)(x)
+        return fn(x)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tp, out_specs=tp, axis_names=split)(x)
+
+
+def _all_gather_leaf(x, dim, axes, spec):
+    """All-gather of a ZeRO shard over its (manual) ``axes``, on each device's TP block."""
+    return on_tp_blocks(lambda a: collectives.gather_shard(a, axes, dim), x, spec)
 
 
 def gather_params(state: nnx.State, specs) -> nnx.State:

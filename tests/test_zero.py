@@ -116,14 +116,19 @@ def test_persistent_bytes_follow_the_zero_formula(stage):
 
 
 # ------------------------------------------------------------------------------------------
-def _data_ops(overrides, mode="gspmd"):
-    cfg = _cfg(f"parallel.mode={mode}", "parallel.model=1", "parallel.data=8",
+def _all_ops(overrides, mode="gspmd", *, data=8, model=1):
+    """(every collective of the compiled loss-and-grad, local gradient bytes per device)."""
+    cfg = _cfg(f"parallel.mode={mode}", f"parallel.model={model}", f"parallel.data={data}",
                "train.batch_size=32", *overrides)
     eng = engine.build(cfg)
     params, batch = eng.abstract_inputs()
     text = eng.loss_and_grad().lower(params, batch).compile().as_text()
-    ops = [o for o in hlo.collectives(text, mesh_shape(eng.mesh)) if o.axes == ("data",)]
-    return ops, _tp_param_count(eng) * 4
+    return hlo.collectives(text, mesh_shape(eng.mesh)), _tp_param_count(eng) * 4
+
+
+def _data_ops(overrides, mode="gspmd", **degrees):
+    ops, grad_bytes = _all_ops(overrides, mode, **degrees)
+    return [o for o in ops if o.axes == ("data",)], grad_bytes
 
 
 def _bytes(ops, kind, where=lambda o: True):
@@ -170,6 +175,17 @@ def test_zero3_with_tp_gathers_each_tp_shard_in_both_modes():
         on_data = {m: _bytes(o, kind, lambda o: o.axes == ("data",)) for m, o in ops.items()}
         assert on_data["gspmd"] == on_data["explicit"] > 0, kind
     assert not [o for o in ops["gspmd"] if o.kind == "all-gather" and "model" in o.axes]
+
+
+@pytest.mark.parametrize("mode", ["gspmd", "explicit"])
+def test_zero2_with_tp_reduce_scatters_each_tp_block(mode):
+    """data=4 x model=2, ZeRO-2: the gradient reduce-scatter moves each device's TP block (the
+    local gradient bytes) over ``data``. Left to itself, the GSPMD partitioner all-gathered the
+    TP-split gradients over ``model`` and reduce-scattered whole ones: t times the bytes."""
+    ops, grad_bytes = _all_ops(["parallel.zero_stage=2"], mode, data=4, model=2)
+    on_data = [o for o in ops if o.axes == ("data",)]
+    assert _bytes(on_data, "reduce-scatter") == pytest.approx(grad_bytes, rel=1e-6)
+    assert not [o for o in ops if o.kind == "all-gather" and "model" in o.axes]
 
 
 @pytest.mark.parametrize("stage", [1, 2])
