@@ -33,6 +33,9 @@ from jaxtp.sharding import Rules, constrain, restrict, without_axes, zero_axes_o
 
 
 GATHERED = "zero_gathered"
+# The output of a row-parallel all-reduce / reduce-scatter (explicit mode): the remat policies save
+# it, so backward never re-runs the collective to rebuild it from the saved partial sums.
+TP_REDUCED = "tp_reduced"
 
 
 def _is_spec(x) -> bool:
@@ -212,8 +215,8 @@ class ExplicitOps(LocalOps):
 
     def reduce_from_model(self, x):
         if self.sequence_parallel:
-            return collectives.reduce_scatter_sequence(x)
-        return collectives.reduce_from_model(x)
+            return checkpoint_name(collectives.reduce_scatter_sequence(x), TP_REDUCED)
+        return checkpoint_name(collectives.reduce_from_model(x), TP_REDUCED)
 
     def vocab_max(self, x):
         return collectives.max_over_model(x)

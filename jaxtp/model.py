@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtp.config import ModelConfig
+from jaxtp.execution import TP_REDUCED
 from jaxtp.layers.attention import Attention, rope_tables
 from jaxtp.layers.embedding import OutputHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from jaxtp.layers.mlp import MLP
@@ -160,19 +161,30 @@ def token_losses_of(out, x: jax.Array, targets: jax.Array, ops, cfg: ModelConfig
     return vocab_parallel_cross_entropy(logits, targets, vocab_size=cfg.vocab_size, ops=ops)
 
 
+def _and_tp_outputs(policy):
+    """``policy`` that also saves the row-parallel collectives' outputs (explicit mode names them
+    :data:`~jaxtp.execution.TP_REDUCED`): a saved partial sum would otherwise be all-reduced again
+    in backward, an extra TP collective per layer that GSPMD mode (which saves the reduced
+    value) and Megatron's selective recompute do not run."""
+    return jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(TP_REDUCED))
+
+
 # What each ``parallel.remat`` policy saves of a layer for the backward pass (the scan body's
 # residuals); everything else is recomputed there from the layer's input.
 REMAT_POLICIES = {
     # everything (no recompute)
     "none": None,
-    # only the layer's input x: the whole layer runs twice (Chen et al. 2016)
+    # only the layer's input x: the whole layer runs twice (Chen et al. 2016), its forward
+    # collectives included
     "full": jax.checkpoint_policies.nothing_saveable,
-    # the outputs of the linear layers (matmuls without batch dims); recompute attention's score
-    # and softmax path (QK^T, softmax, PV: batched dots), norms and activations -- Korthikanti
-    # et al.'s selective recompute: the s^2 terms are never saved
-    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # every matmul output, attention's included; recompute only elementwise work
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    # the outputs of the linear layers (matmuls without batch dims) and of the TP reductions;
+    # recompute attention's score and softmax path (QK^T, softmax, PV: batched dots), norms and
+    # activations -- Korthikanti et al.'s selective recompute: the s^2 terms are never saved
+    "selective": _and_tp_outputs(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    # every matmul output, attention's included, and the TP reductions; recompute only
+    # elementwise work
+    "dots_saveable": _and_tp_outputs(jax.checkpoint_policies.dots_saveable),
 }
 
 
@@ -185,6 +197,6 @@ def _remat(body, remat: str, gathers_layers: bool):
         # recompute the rest in backward, gathers included. (Saving "all but the gathered names"
         # is not enough: ops on the weights, e.g. a layout copy, would be saved.) Every other
         # policy already leaves the gathered weights (all-gather outputs) unsaved.
-        policy = jax.checkpoint_policies.dots_saveable
+        policy = REMAT_POLICIES["dots_saveable"]
     return body if policy is None else jax.checkpoint(body, policy=policy)
 

@@ -8,8 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtp import config, engine, testing
+from jaxtp import config, engine, hlo, testing
 from jaxtp.config import ConfigError
+from jaxtp.mesh import mesh_shape
 from jaxtp.model import REMAT_POLICIES
 
 RTOL, ATOL = 2e-5, 2e-6
@@ -59,6 +60,30 @@ def test_saved_residuals_per_policy():
     # without recompute (and saving every dot) the scores are kept
     assert saved["selective"][1] == [] and saved["full"][1] == []
     assert saved["none"][1] and saved["dots_saveable"][1]
+
+
+def _model_all_reduce_bytes(mode, remat, *extra):
+    cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.remat={remat}",
+                               "parallel.data=2", "parallel.model=4", *extra])
+    eng = engine.build(cfg)
+    params, batch = eng.abstract_inputs()
+    text = eng.loss_and_grad().lower(params, batch).compile().as_text()
+    return sum(o.total_bytes for o in hlo.collectives(text, mesh_shape(eng.mesh))
+               if o.kind == "all-reduce" and o.axes == ("model",))
+
+
+@pytest.mark.parametrize("mode", ["gspmd", "explicit"])
+def test_partial_recompute_does_not_rerun_tp_all_reduces(mode):
+    """selective and dots_saveable (and ZeRO-3's default, which saves the matmul outputs) keep
+    the row-parallel all-reduce outputs: backward runs the TP collectives of no recompute, as
+    Megatron's selective recompute does. (Explicit mode saved the partial sums and all-reduced
+    them again in backward: one attention all-reduce per layer more than GSPMD mode.) full
+    recompute re-runs the layer's forward all-reduces, and the census shows them."""
+    none = _model_all_reduce_bytes(mode, "none")
+    for remat, extra in [("selective", ()), ("dots_saveable", ()),
+                         ("none", ("parallel.zero_stage=3",))]:
+        assert _model_all_reduce_bytes(mode, remat, *extra) == none, (remat, extra)
+    assert _model_all_reduce_bytes(mode, "full") > none
 
 
 def test_unknown_policy_is_a_config_error():
