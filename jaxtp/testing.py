@@ -136,7 +136,9 @@ def assert_restores(directory, step: int, trainer, want, *, layer_order=None) ->
         restored, _ = ckpt.restore(step, like=like)
     finally:
         ckpt.close()
-    for got, expected, spec in zip(jax.tree.leaves(restored), jax.tree.leaves(want),
-                                   jax.tree.leaves(like)):
+    got_leaves, want_leaves, like_leaves = (jax.tree.leaves(t) for t in (restored, want, like))
+    assert len(got_leaves) == len(want_leaves) == len(like_leaves), (
+        len(got_leaves), len(want_leaves), len(like_leaves))
+    for got, expected, spec in zip(got_leaves, want_leaves, like_leaves):
         assert got.sharding == spec.sharding, (got.sharding, spec.sharding)
         np.testing.assert_array_equal(np.asarray(got), expected)

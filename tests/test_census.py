@@ -63,10 +63,12 @@ def test_both_modes_same_census():
     # nothing but all-reduces: no all-gather of weights, no all-to-all, no permutes
     assert {c["kind"] for c in g.collectives + e.collectives} == {"all-reduce"}
 
+
 # Compositions whose whole census (train step: loss, gradients, sync, optimizer) must be the same
-# in both modes (ZeRO-2 + TP: test_zero.test_zero2_with_tp_reduce_scatters_each_tp_block). Known, documented exceptions are left out: under SP, XLA's CPU pipeline has no
-# reduce-scatter creator (test_sequence_parallel), and GSPMD MoE with TP all-reduces the expert
-# capacity buffer rather than the tokens (benchmarks/README.md).
+# in both modes (ZeRO-2 + TP: test_zero.test_zero2_with_tp_reduce_scatters_each_tp_block). Known,
+# documented exceptions are left out: under SP, XLA's CPU pipeline has no reduce-scatter creator
+# (test_sequence_parallel), and GSPMD MoE with TP all-reduces the expert capacity buffer rather
+# than the tokens (benchmarks/README.md).
 COMPOSITIONS = {
     "data=2 x model=4, ZeRO-3, selective": ["parallel.data=2", "parallel.model=4",
                                             "parallel.zero_stage=3", "parallel.remat=selective"],
@@ -94,7 +96,6 @@ def test_compositions_have_the_same_census_in_both_modes(name):
     for key in sorted(set(g) | set(e)):
         a, b = g.get(key, 0), e.get(key, 0)
         assert abs(a - b) <= 0.02 * max(a, b) + 256, (key, a, b)
-
 
 
 @pytest.mark.parametrize("mode", ["gspmd", "explicit"])
