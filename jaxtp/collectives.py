@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import jax
 
-MODEL = "model"
-EXPERT = "expert"
+from jaxtp.axes import EXPERT, MODEL
 
 
 def copy_to_model(x: jax.Array, axis: str = MODEL) -> jax.Array:

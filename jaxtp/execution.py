@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtp import collectives
+from jaxtp.axes import CONTEXT, TP_AXIS
 from jaxtp.layers.ring_attention import ring_attention
 from jaxtp.sharding import Rules, constrain, restrict, without_axes, zero_axes_of
 
@@ -157,7 +158,7 @@ class GSPMDOps(LocalOps):
         if self.context == 1:
             return super().attention(q, k, v, implementation)
         # the engine makes `context` manual (with the batch axes) whenever it is split
-        return ring_attention(q, k, v, axis="context", causal=True, layout=self.context_layout)
+        return ring_attention(q, k, v, axis=CONTEXT, causal=True, layout=self.context_layout)
 
     def gather_layer(self, layer_params):
         if self.layer_specs is None:
@@ -197,11 +198,12 @@ class ExplicitOps(LocalOps):
     sequence_parallel: bool = False
     context: int = 1
     context_layout: str = "zigzag"
+    tp_axis: str = TP_AXIS  # the mesh axis the parameter table splits heads over
 
     def attention(self, q, k, v, implementation=None):
         if self.context == 1:
             return super().attention(q, k, v, implementation)
-        return ring_attention(q, k, v, axis="context", causal=True, layout=self.context_layout)
+        return ring_attention(q, k, v, axis=CONTEXT, causal=True, layout=self.context_layout)
 
     def gather_layer(self, layer_params):
         if self.layer_specs is None:
@@ -210,19 +212,20 @@ class ExplicitOps(LocalOps):
 
     def copy_to_model(self, x):
         if self.sequence_parallel:
-            return collectives.gather_sequence(x)
-        return collectives.copy_to_model(x)
+            return collectives.gather_sequence(x, self.tp_axis)
+        return collectives.copy_to_model(x, self.tp_axis)
 
     def reduce_from_model(self, x):
         if self.sequence_parallel:
-            return checkpoint_name(collectives.reduce_scatter_sequence(x), TP_REDUCED)
-        return checkpoint_name(collectives.reduce_from_model(x), TP_REDUCED)
+            return checkpoint_name(collectives.reduce_scatter_sequence(x, self.tp_axis),
+                                   TP_REDUCED)
+        return checkpoint_name(collectives.reduce_from_model(x, self.tp_axis), TP_REDUCED)
 
     def vocab_max(self, x):
-        return collectives.max_over_model(x)
+        return collectives.max_over_model(x, self.tp_axis)
 
     def vocab_sum(self, x):
-        return collectives.reduce_from_model(x)
+        return collectives.reduce_from_model(x, self.tp_axis)
 
     def vocab_start(self, local_vocab: int):
-        return jax.lax.axis_index(collectives.MODEL) * local_vocab
+        return jax.lax.axis_index(self.tp_axis) * local_vocab

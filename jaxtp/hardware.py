@@ -26,6 +26,15 @@ from pathlib import Path
 from jaxtp.config import ConfigError
 
 
+# Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity), keyed by a substring of
+# JAX's ``device_kind``: the one peak table, for MFU at run time and for the presets below.
+PEAK_FLOPS: dict[str, float] = {
+    "a100": 312e12, "h100": 989e12, "h200": 989e12,
+    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12,
+    "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12,
+}
+
+
 @dataclass(frozen=True)
 class Link:
     """One link class, per device and per direction."""
@@ -74,20 +83,20 @@ def _tpu_slice(name: str, *, peak: float, hbm: float, hbm_bw: float, ici_link: f
 HARDWARE: dict[str, Hardware] = {
     # DGX A100 80GB (Narayanan et al.'s Selene nodes): NVLink 3 600 GB/s bidirectional per GPU,
     # 8 x HDR InfiniBand 200 Gb/s per node.
-    "a100": _gpu_node("a100", peak=312e12, hbm=80e9, hbm_bw=2.04e12, nvlink=300e9, ib=25e9,
+    "a100": _gpu_node("a100", peak=PEAK_FLOPS["a100"], hbm=80e9, hbm_bw=2.04e12, nvlink=300e9, ib=25e9,
                       efficiency=0.8),
     # DGX H100: NVLink 4 900 GB/s bidirectional per GPU, 8 x NDR 400 Gb/s per node.
-    "h100": _gpu_node("h100", peak=989e12, hbm=80e9, hbm_bw=3.35e12, nvlink=450e9, ib=50e9,
+    "h100": _gpu_node("h100", peak=PEAK_FLOPS["h100"], hbm=80e9, hbm_bw=3.35e12, nvlink=450e9, ib=50e9,
                       efficiency=0.7),
     # DGX H200: the H100's compute and links with 141 GB of HBM3e.
-    "h200": _gpu_node("h200", peak=989e12, hbm=141e9, hbm_bw=4.8e12, nvlink=450e9, ib=50e9,
+    "h200": _gpu_node("h200", peak=PEAK_FLOPS["h200"], hbm=141e9, hbm_bw=4.8e12, nvlink=450e9, ib=50e9,
                       efficiency=0.7),
     # TPU slices: ICI inside a slice (3D torus on v4 / v5p, 2D on v6e), DCN between slices.
-    "tpu-v4": _tpu_slice("tpu-v4", peak=275e12, hbm=32 * 2**30, hbm_bw=1.2e12, ici_link=45e9,
+    "tpu-v4": _tpu_slice("tpu-v4", peak=PEAK_FLOPS["tpu v4"], hbm=32 * 2**30, hbm_bw=1.2e12, ici_link=45e9,
                          slice_chips=4096, dcn=6.25e9),
-    "tpu-v5p": _tpu_slice("tpu-v5p", peak=459e12, hbm=95 * 2**30, hbm_bw=2.76e12, ici_link=90e9,
+    "tpu-v5p": _tpu_slice("tpu-v5p", peak=PEAK_FLOPS["tpu v5p"], hbm=95 * 2**30, hbm_bw=2.76e12, ici_link=90e9,
                           slice_chips=8960, dcn=6.25e9),
-    "tpu-v6e": _tpu_slice("tpu-v6e", peak=918e12, hbm=32 * 2**30, hbm_bw=1.64e12, ici_link=90e9,
+    "tpu-v6e": _tpu_slice("tpu-v6e", peak=PEAK_FLOPS["tpu v6e"], hbm=32 * 2**30, hbm_bw=1.64e12, ici_link=90e9,
                           slice_chips=256, dcn=6.25e9),
 }
 

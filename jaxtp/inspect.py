@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 import jax
 from flax import nnx
 
-from jaxtp import hlo, staging
+from jaxtp import hlo, pipelined_step
 from jaxtp.config import Config, ParallelConfig
 from jaxtp.engine import Engine, build
+from jaxtp.flops import model_flops
 from jaxtp.mesh import dcn_degrees, mesh_shape
+from jaxtp.train import Trainer
 
 STEPS = ("grad", "loss", "train")
 
@@ -114,19 +116,9 @@ def param_table(engine: Engine, specs=None) -> list[dict]:
 
 
 def analytic_flops(engine: Engine) -> float:
-    """Training FLOPs per step: 6 N T for the matmuls plus 12 L s d T for attention scores.
-
-    N counts the non-embedding parameters plus the output head (Kaplan et al. 2020; the attention
-    term is Narayanan et al. 2021 eq. 3 without the causal halving), T the tokens per step. Of an
-    MoE layer, N counts the router and the ``top_k`` experts a token uses (the active
-    parameters), not the capacity padding the compiled step also multiplies.
-    """
-    m, t = engine.cfg.model, engine.cfg.train
-    tokens = t.batch_size * t.seq_len
-    # The input lookup is no matmul; the output projection is one, tied or not.
-    n = m.param_count(active=True) - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
-    return 6.0 * n * tokens + 12.0 * m.n_layers * t.seq_len * m.n_heads * m.resolved_head_dim \
-        * tokens
+    """Training FLOPs per step of the engine's model and batch (:func:`jaxtp.flops.model_flops`)."""
+    t = engine.cfg.train
+    return model_flops(engine.cfg.model, batch_size=t.batch_size, seq_len=t.seq_len)
 
 
 def hosts_per_axis(parallel: ParallelConfig, degrees: dict[str, int],
@@ -161,8 +153,6 @@ def module_paths(engine: Engine) -> hlo.ModulePaths:
 def _lower_train(target: Engine | Config):
     """The :class:`jaxtp.train.Trainer` step lowered from abstract state and batch, with the
     trainer and the abstract state."""
-    from jaxtp.train import Trainer  # train imports this module
-
     if isinstance(target, Engine):
         trainer = Trainer(target.cfg, list(target.mesh.devices.flat))
     else:
@@ -204,7 +194,7 @@ def report(target: Engine | Config, step: str = "grad") -> Report:
     shape = mesh_shape(engine.mesh)
     # a pipeline rank runs one pass per tick: count its stages' collectives as it runs them
     # (the view of pipeline rank 0)
-    branches = staging.branch_weights(engine) if shape["pipeline"] > 1 else None
+    branches = pipelined_step.branch_weights(engine.layout) if shape["pipeline"] > 1 else None
     ops = hlo.collectives(text, shape, branches)
     mem = compiled.memory_analysis()
     params = local_param_bytes(engine)

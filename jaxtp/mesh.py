@@ -18,13 +18,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxtp.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from jaxtp.layers.moe import MoESettings, check_moe
-from jaxtp.pipeline import check_pipeline
-from jaxtp.schedules import ScheduleError
-
-AXES: tuple[str, ...] = ("pipeline", "data", "fsdp", "context", "expert", "model")
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+from jaxtp.axes import AXES, BATCH_AXES  # noqa: F401  (BATCH_AXES: the mesh's public names)
+from jaxtp.config import ConfigError, ParallelConfig
 
 
 def resolve_degrees(parallel: ParallelConfig, n_devices: int) -> dict[str, int]:
@@ -101,112 +96,3 @@ def build_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
     return {a: int(s) for a, s in mesh.shape.items()}
-
-
-def validate(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-             degrees: dict[str, int]) -> None:
-    """Every DESIGN.md constraint that applies to this model on this mesh, checked before compile."""
-    t = degrees["model"]
-    if model.n_heads % t:
-        raise ConfigError(f"model.n_heads={model.n_heads} is not divisible by parallel.model={t}; "
-                          f"use a tensor-parallel degree that divides {model.n_heads}")
-    if model.n_kv_heads % t:
-        raise ConfigError(
-            f"model.n_kv_heads={model.n_kv_heads} is not divisible by parallel.model={t}: each "
-            f"tensor-parallel rank needs whole KV heads; use parallel.model <= n_kv_heads "
-            f"dividing it, or raise model.n_kv_heads")
-    if model.d_ff % t:
-        raise ConfigError(f"model.d_ff={model.d_ff} is not divisible by parallel.model={t}")
-    _validate_experts(model, degrees)
-    batch_shards = degrees["data"] * degrees["fsdp"] * degrees["expert"]
-    if train.batch_size % batch_shards:
-        names = "parallel.data x parallel.fsdp" + (
-            " x parallel.expert" if degrees["expert"] > 1 else "")
-        raise ConfigError(f"train.batch_size={train.batch_size} is not divisible by the batch "
-                          f"shards {names} = {batch_shards}")
-    if train.batch_size % (batch_shards * train.microbatches):
-        raise ConfigError(f"train.batch_size={train.batch_size} must split into "
-                          f"train.microbatches={train.microbatches} on each of {batch_shards} "
-                          f"batch shards")
-    if train.seq_len > model.max_seq_len:
-        raise ConfigError(f"train.seq_len={train.seq_len} exceeds model.max_seq_len="
-                          f"{model.max_seq_len}")
-    if parallel.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}: ZeRO stages are 0 (off), "
-                          f"1 (moments), 2 (+ gradients) and 3 (+ parameters)")
-    _validate_sequence(parallel, train, degrees)
-    _validate_pipeline(model, parallel, train, degrees)
-
-
-def _validate_pipeline(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-                       degrees: dict[str, int]) -> None:
-    """Pipeline stages: ``pipeline x virtual_stages`` equal slices of the layer scan, a schedule
-    that can run ``train.microbatches``, and the features a stage supports."""
-    p, v, m = degrees["pipeline"], parallel.virtual_stages, train.microbatches
-    if p == 1:
-        if v != 1:
-            raise ConfigError(f"parallel.virtual_stages={v} needs parallel.pipeline > 1")
-        return
-    if model.n_experts > 0:
-        raise ConfigError(f"parallel.pipeline={p} with model.n_experts={model.n_experts} (MoE) is "
-                          f"not supported yet: a stage does not carry the router losses; use "
-                          f"parallel.pipeline=1 or a dense model")
-    stages, n = p * v, model.n_layers
-    if n < stages:
-        raise ConfigError(f"model.n_layers={n} is fewer than the parallel.pipeline={p} x "
-                          f"parallel.virtual_stages={v} = {stages} pipeline stages, which need at "
-                          f"least one layer each; use fewer stages or more layers")
-    if n % stages:
-        raise ConfigError(f"model.n_layers={n} does not split evenly into parallel.pipeline={p} "
-                          f"x parallel.virtual_stages={v} = {stages} stages (uneven stages are "
-                          f"not supported yet); use a stage count that divides {n}")
-    try:
-        check_pipeline(parallel.pipeline_schedule, p, m, v)
-    except ScheduleError as e:
-        raise ConfigError(f"parallel.pipeline_schedule: {e} (train.microbatches sets the "
-                          f"micro-batch count)") from None
-    if degrees["context"] > 1:
-        # Ring attention's ppermutes would run inside the schedule's per-tick branch, which pipeline
-        # ranks take at different ticks; XLA:CPU joins a collective-permute across all devices,
-        # so the ranks would pair up the wrong permutes.
-        raise ConfigError(f"parallel.pipeline={p} with parallel.context={degrees['context']} is "
-                          f"not supported: ring attention cannot run inside a pipeline stage yet; "
-                          f"use parallel.context=1 (sequence_parallel still splits activations "
-                          f"over model) or parallel.pipeline=1")
-
-
-def _validate_experts(model: ModelConfig, degrees: dict[str, int]) -> None:
-    """Mixture of experts: the layer's own constraints (:func:`jaxtp.layers.moe.check_moe`:
-    top_k, capacity, experts divisible by ``parallel.expert``); a dense model takes no EP."""
-    if model.n_experts == 0:
-        if degrees["expert"] > 1:
-            raise ConfigError(f"parallel.expert={degrees['expert']} needs model.n_experts > 0: "
-                              f"expert parallelism splits the experts of MoE layers, and this "
-                              f"model is dense; set model.n_experts (e.g. to a multiple of "
-                              f"{degrees['expert']}) or parallel.expert=1")
-        return
-    check_moe(MoESettings.of(model), degrees["expert"])  # n_layers % moe_every: validate_model
-
-
-def _validate_sequence(parallel: ParallelConfig, train: TrainConfig,
-                       degrees: dict[str, int]) -> None:
-    """The sequence splits: ``context`` chunks (two per device for zig-zag), then ``model`` pieces
-    of each device's chunk under sequence parallelism."""
-    s, cp, t = train.seq_len, degrees["context"], degrees["model"]
-    if parallel.context_layout not in ("zigzag", "contiguous"):
-        raise ConfigError(f"parallel.context_layout={parallel.context_layout!r}: choose zigzag "
-                          f"or contiguous")
-    if cp > 1:
-        chunks = 2 * cp if parallel.context_layout == "zigzag" else cp
-        if s % chunks:
-            why = ("the zigzag layout cuts it into 2 x parallel.context chunks, two per device"
-                   if parallel.context_layout == "zigzag" else "it is cut into parallel.context "
-                                                                "chunks")
-            raise ConfigError(f"train.seq_len={s} is not divisible by {chunks}: {why} "
-                              f"(parallel.context={cp}); use a seq_len that is a multiple of "
-                              f"{chunks} or change parallel.context")
-    if parallel.sequence_parallel and (s // cp) % t:
-        where = f"each context shard's {s // cp} positions" if cp > 1 else f"train.seq_len={s}"
-        raise ConfigError(f"parallel.sequence_parallel splits {where} over parallel.model={t}, "
-                          f"which does not divide it; use a seq_len that is a multiple of "
-                          f"{cp * t}")

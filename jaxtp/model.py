@@ -119,10 +119,6 @@ class Transformer(nnx.Module):
         out = self.embed.attend(x, ops) if self.cfg.tie_embeddings else self.head(x, ops)
         return ops.constrain(out, "batch", "seq", "vocab")
 
-    def token_losses(self, tokens, targets, positions, ops, *, remat: str = "none"):
-        """Per-token cross-entropy ``[B,S]`` in fp32."""
-        return self.token_losses_and_aux(tokens, targets, positions, ops, remat=remat)[0]
-
     def token_losses_and_aux(self, tokens, targets, positions, ops, *,
                              remat: str = "none") -> tuple[jax.Array, dict]:
         """``(per-token cross-entropy [B,S], aux)``: aux is ``{}`` for a dense model, else the MoE

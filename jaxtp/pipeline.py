@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtp.schedules import Schedule, ScheduleError, check
-
-PIPELINE = "pipeline"
+from jaxtp.axes import PIPELINE
+from jaxtp.layer_order import ranks_to_stages, stages_to_ranks  # noqa: F401  (public here too)
+from jaxtp.schedules import Schedule, ScheduleError, check_pipeline
 
 # columns of Program.rows
 KIND, CHUNK, MICROBATCH, ACT_SLOT, GRAD_SLOT, RECV_ACT, RECV_GRAD = range(7)
@@ -65,16 +65,6 @@ class Program:
     @property
     def cyclic(self) -> bool:
         return self.schedule.v > 1
-
-
-def check_pipeline(name: str, p: int, m: int, v: int = 1) -> None:
-    """Raise :class:`ScheduleError` (a ``ValueError``) for a combination the runtime does not run:
-    the schedule's own checks, plus 1F1B / interleaved with fewer micro-batches than stages."""
-    check(name, p, m, v)
-    if name in ("1f1b", "interleaved") and m < p:
-        raise ScheduleError(f"{name} schedule: microbatches={m} is fewer than pipeline={p} stages, "
-                            f"so the pipeline never reaches its steady state; use microbatches "
-                            f">= {p} (or pipeline_schedule=gpipe)")
 
 
 def _assign_slots(lifetimes: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
@@ -138,31 +128,14 @@ def compile_schedule(schedule: Schedule) -> Program:
                    grad_slots=n_grad)
 
 
-def stages_to_ranks(stacked, p: int, v: int = 1):
-    """Leaves ``[p * v, ...]`` in model-stage order -> rank-major order (rank ``d``'s chunks
-    ``0 .. v-1`` contiguous), so that sharding dim 0 over ``pipeline`` gives each rank its
-    ``[v, ...]`` chunk parameters. Stage ``k`` = chunk ``k // p`` of rank ``k % p``."""
-    def f(a):
-        a = jnp.asarray(a)
-        return a.reshape(v, p, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
-    return jax.tree.map(f, stacked)
-
-
-def ranks_to_stages(per_rank, p: int, v: int = 1):
-    """Inverse of :func:`stages_to_ranks` (e.g. for gradients)."""
-    def f(a):
-        a = jnp.asarray(a)
-        return a.reshape(p, v, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
-    return jax.tree.map(f, per_rank)
-
-
-def _vma(x) -> frozenset[str]:
+def varying_axes(x) -> frozenset[str]:
+    """The manual mesh axes over which ``x`` varies (its type's ``vma``)."""
     return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
-def _vary(x, axes):
+def vary_over(x, axes):
     """``pcast`` to varying over those of ``axes`` that ``x`` does not already vary over."""
-    missing = tuple(a for a in sorted(axes) if a not in _vma(x))
+    missing = tuple(a for a in sorted(axes) if a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -267,11 +240,11 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
 
     # Activations, cotangents and the loss vary over `axis` and the batch axes; parameters also,
     # so each tick's parameter cotangent stays local (no psum inside the loop).
-    batch_vma = _vma(inputs) | _vma(targets) | {axis}
-    inputs, targets = _vary(inputs, batch_vma), _vary(targets, batch_vma)
+    batch_vma = varying_axes(inputs) | varying_axes(targets) | {axis}
+    inputs, targets = vary_over(inputs, batch_vma), vary_over(targets, batch_vma)
 
     def local(tree):
-        return jax.tree.map(lambda a: _vary(a, batch_vma), tree)
+        return jax.tree.map(lambda a: vary_over(a, batch_vma), tree)
 
     params, eparams, hparams = local(stage_params), local(embed_params), local(head_params)
     has_head, scale = head_params is not None, 1.0 / s.m
@@ -283,13 +256,13 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
     # the stream is sequence-sharded, the replica axes of the parameters): traced once for the
     # types, the values are dead code
     x0 = embed(eparams, inputs[0])
-    x_shape, x_dtype, act_vma = x0.shape, x0.dtype, batch_vma | _vma(x0)
+    x_shape, x_dtype, act_vma = x0.shape, x0.dtype, batch_vma | varying_axes(x0)
 
     def zeros(shape, dtype, vma):
-        return _vary(jnp.zeros(shape, dtype), vma)
+        return vary_over(jnp.zeros(shape, dtype), vma)
 
     def zeros_like(tree):
-        return jax.tree.map(lambda a: zeros(a.shape, a.dtype, _vma(a)), tree)
+        return jax.tree.map(lambda a: zeros(a.shape, a.dtype, varying_axes(a)), tree)
 
     def chunk_of(c):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False),
@@ -302,9 +275,9 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
                              f"{x.shape} {x.dtype} -> {y.shape} {y.dtype}")
         return y
 
-    y0 = stage(jax.tree.map(lambda a: a[0], params), _vary(x0, act_vma))
+    y0 = stage(jax.tree.map(lambda a: a[0], params), vary_over(x0, act_vma))
     l0 = loss_fn(hparams, y0, targets[0]) if has_head else loss_fn(y0, targets[0])
-    loss_vma = batch_vma | _vma(l0)
+    loss_vma = batch_vma | varying_axes(l0)
 
     def add_chunk(grads, c, dp):
         return jax.tree.map(lambda g, d: jax.lax.dynamic_update_index_in_dim(
@@ -330,15 +303,15 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
             if kind == "F":
                 out = run(chunk_of(c), eparams, hparams, x, raw, tgt)
                 if last:
-                    return nothing, nothing, _vary(out.astype(jnp.float32), loss_vma), acc
-                return _vary(out, act_vma), nothing, zero_loss, acc
+                    return nothing, nothing, vary_over(out.astype(jnp.float32), loss_vma), acc
+                return vary_over(out, act_vma), nothing, zero_loss, acc
             out, vjp = jax.vjp(lambda pc, ep, hp, x: run(pc, ep, hp, x, raw, tgt),
                                chunk_of(c), eparams, hparams, x)
             dpc, dep, dhp, dx = vjp(jnp.ones_like(out) if last else g)
             sg = add_chunk(sg, c, dpc)
             eg = add(eg, dep) if first and eg is not None else eg
             hg = add(hg, dhp) if last and hg is not None else hg
-            return nothing, (nothing if first else _vary(dx, act_vma)), zero_loss, (sg, eg, hg)
+            return nothing, (nothing if first else vary_over(dx, act_vma)), zero_loss, (sg, eg, hg)
         return fn
 
     def idle(c, raw, x, g, tgt, acc):

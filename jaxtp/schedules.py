@@ -218,6 +218,16 @@ def simulate(name: str, orders: list[list[Pass]], p: int, m: int, v: int = 1) ->
     return Schedule(name=name, p=p, m=m, v=v, table=tuple(table))
 
 
+def check_pipeline(name: str, p: int, m: int, v: int = 1) -> None:
+    """Raise :class:`ScheduleError` (a ``ValueError``) for a combination the runtime does not run:
+    the schedule's own checks, plus 1F1B / interleaved with fewer micro-batches than stages."""
+    check(name, p, m, v)
+    if name in ("1f1b", "interleaved") and m < p:
+        raise ScheduleError(f"{name} schedule: microbatches={m} is fewer than pipeline={p} stages, "
+                            f"so the pipeline never reaches its steady state; use microbatches "
+                            f">= {p} (or pipeline_schedule=gpipe)")
+
+
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule table for ``name`` on ``p`` pipeline devices, ``m`` micro-batches and ``v``
     virtual stages per device."""

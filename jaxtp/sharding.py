@@ -22,8 +22,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtp.axes import BATCH_AXES, ZERO_AXES, entry_axes
 from jaxtp.config import ParallelConfig
-from jaxtp.mesh import BATCH_AXES
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -44,7 +44,7 @@ class Rules:
         """This table with the mesh ``axes`` removed from every entry (e.g. inside a region where
         the batch axes and ``context`` are manual, so a constraint must not name them)."""
         def drop(v: MeshAxes) -> MeshAxes:
-            kept = tuple(a for a in _as_tuple(v) if a not in axes)
+            kept = tuple(a for a in entry_axes(v) if a not in axes)
             return None if not kept else kept[0] if len(kept) == 1 else kept
         return Rules(tuple((k, drop(v)) for k, v in self.table))
 
@@ -108,11 +108,6 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def logical_names(state: nnx.State) -> nnx.State:
-    """The ``names`` metadata of every parameter, as a State of tuples."""
-    return jax.tree.map(lambda v: v.get_metadata()["names"], state, is_leaf=_is_variable)
-
-
 def param_specs(state: nnx.State, rules: Rules) -> nnx.State:
     """A State of PartitionSpecs (one per parameter) from the parameters' logical names."""
     def spec(v):
@@ -154,7 +149,6 @@ def constrain(x: jax.Array, names: Sequence[str | None], *, mesh: Mesh, rules: R
 # fsdp > 1 and data > 1 at stage < 3 this is hybrid sharding: shard inside a group, replicate across.
 # Sharded axes run fsdp-major, so every state's spec extends the parameter's (a parameter shard over
 # `fsdp` reduce-scatters over `data` into exactly the moment shard).
-ZERO_AXES = ("fsdp", "data")
 
 
 @dataclass(frozen=True)
@@ -180,12 +174,6 @@ def zero_layout(parallel: ParallelConfig, degrees: Mapping[str, int]) -> ZeroLay
                       sizes=tuple((a, int(degrees[a])) for a in ZERO_AXES))
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def zero_dim(names: Sequence[str | None], shape: Sequence[int], spec: PartitionSpec,
              n: int) -> int | None:
     """The dim ZeRO splits ``n`` ways: ``embed`` if it divides, else the largest dim that is not
@@ -194,7 +182,7 @@ def zero_dim(names: Sequence[str | None], shape: Sequence[int], spec: PartitionS
     if n == 1:
         return None
     free = [i for i, (name, size) in enumerate(zip(names, shape))
-            if name != "layers" and not _as_tuple(spec[i] if i < len(spec) else None)
+            if name != "layers" and not entry_axes(spec[i] if i < len(spec) else None)
             and size % n == 0]
     for i in free:
         if names[i] == "embed":
@@ -224,7 +212,7 @@ def zero_specs(state: nnx.State, tp_specs: nnx.State, axes: Sequence[str],
 def zero_axes_of(spec: PartitionSpec) -> tuple[int | None, tuple[str, ...]]:
     """(dim, axes) of the ZeRO axes in ``spec``; ``(None, ())`` when it has none."""
     for i, entry in enumerate(spec):
-        axes = tuple(a for a in _as_tuple(entry) if a in ZERO_AXES)
+        axes = tuple(a for a in entry_axes(entry) if a in ZERO_AXES)
         if axes:
             return i, axes
     return None, ()
@@ -232,12 +220,12 @@ def zero_axes_of(spec: PartitionSpec) -> tuple[int | None, tuple[str, ...]]:
 
 def restrict(spec: PartitionSpec, keep: Sequence[str]) -> PartitionSpec:
     """``spec`` naming only the mesh axes in ``keep`` (a ``shard_map`` spec over those axes)."""
-    return without_axes(spec, [a for e in spec for a in _as_tuple(e) if a not in keep])
+    return without_axes(spec, [a for e in spec for a in entry_axes(e) if a not in keep])
 
 
 def without_axes(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
     """``spec`` with ``axes`` removed: the gathered layout of a ZeRO-3 shard."""
     def drop(entry):
-        kept = tuple(a for a in _as_tuple(entry) if a not in axes)
+        kept = tuple(a for a in entry_axes(entry) if a not in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
     return PartitionSpec(*(drop(e) for e in spec))

@@ -5,9 +5,8 @@ gradients from :class:`jaxtp.engine.Engine` (in either execution mode), then the
 The loop logs ``loss``, ``tokens_per_s`` and ``mfu`` to ``<out_dir>/metrics.jsonl`` (eval records
 carry ``eval_loss``) and plots the loss curve at the end; an MoE model's records also carry its
 router metrics (``lm_loss``, ``aux_loss``, ``dropped_fraction``, ``expert_load``). MFU is model
-FLOPs per second (the analytic ``6 N T`` + attention count of :func:`jaxtp.inspect.analytic_flops`)
-over the devices' peak: a hardware table for accelerators, and on CPU a peak measured once with a
-large matmul.
+FLOPs per second (the analytic ``6 N T`` + attention count of :func:`jaxtp.flops.model_flops`)
+over the devices' peak (:func:`jaxtp.flops.peak_flops`).
 """
 
 from __future__ import annotations
@@ -29,40 +28,7 @@ from jaxtp import data as data_lib
 from jaxtp import engine as engine_lib
 from jaxtp import optim
 from jaxtp.config import Config, ConfigError
-from jaxtp.inspect import analytic_flops
-
-# Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity).
-PEAK_FLOPS = {
-    "a100": 312e12, "h100": 989e12, "h200": 989e12,
-    "tpu v4": 275e12, "tpu v5 lite": 197e12, "tpu v5e": 197e12, "tpu v5p": 459e12,
-    "tpu v5": 459e12, "tpu v6 lite": 918e12, "tpu v6e": 918e12,
-}
-
-
-def measure_cpu_peak(n: int = 1024, repeats: int = 5) -> float:
-    """FLOP/s of one large fp32 matmul on the host: the CPU's usable peak, measured once."""
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.local_devices(backend="cpu")[0])
-    mm = jax.jit(lambda x: x @ x)
-    mm(a).block_until_ready()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mm(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n**3 / best
-
-
-def peak_flops(devices) -> float:
-    """Peak FLOP/s of all ``devices`` together."""
-    kind = devices[0].device_kind.lower()
-    if devices[0].platform == "cpu":
-        # Simulated CPU devices share their host's cores: each host's matmul peak is its budget.
-        return measure_cpu_peak() * jax.process_count()
-    for key, flops in PEAK_FLOPS.items():
-        if key in kind:
-            return flops * len(devices)
-    return math.nan
-
+from jaxtp.flops import model_flops, peak_flops
 
 @dataclass
 class TrainState:
@@ -81,6 +47,7 @@ class Trainer:
         self.engine = engine_lib.build(cfg, devices)
         self.tx = optim.build(cfg.train, self.engine.abstract_params)
         self._replicated = NamedSharding(self.engine.mesh, PartitionSpec())
+        self._step = None  # the jitted step, built by the first step()
 
     def init_state(self) -> TrainState:
         params = self.engine.init_params()
@@ -112,17 +79,14 @@ class Trainer:
         return jax.tree.map(lambda x: x.sharding, state)
 
     def step_fn(self, state: TrainState):
-        """The jitted ``(state, batch) -> (state, metrics)``, state donated."""
-        moe = self.engine.moe
-        value_and_grad = self.engine.value_and_grad_fn(with_metrics=moe)
+        """The jitted ``(state, batch) -> (state, metrics)``, state donated; ``metrics`` has
+        ``loss`` and ``grad_norm`` (and an MoE model's router metrics)."""
+        value_and_grad = self.engine.value_and_grad_fn()
         tx = self.tx
         moments = self.engine.moment_shardings
 
         def step(state: TrainState, batch):
-            if moe:  # the router's losses, drop rate and per-expert load
-                loss, grads, extra = value_and_grad(state.params, batch)
-            else:
-                (loss, grads), extra = value_and_grad(state.params, batch), {}
+            loss, grads, extra = value_and_grad(state.params, batch)
             # ZeRO >= 1: each data rank updates only its moment shard (a local slice of the
             # gradient, no communication); the new parameters are all-gathered where stage < 3.
             grads = jax.lax.with_sharding_constraint(grads, moments)
@@ -136,13 +100,48 @@ class Trainer:
         return jax.jit(step, in_shardings=(shardings, self.engine.batch_sharding),
                        out_shardings=(shardings, self._replicated), donate_argnums=(0,))
 
+    def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        """One optimizer step: ``(state, batch) -> (new state, metrics)``; ``state`` is donated
+        (use the returned one). ``batch`` is ``{"inputs", "targets"}``, each ``[batch_size,
+        seq_len]`` int32 token ids, numpy (this process's rows, see :meth:`put_batch`) or
+        already-sharded jax arrays. The jitted step is built on first use."""
+        if self._step is None:
+            self._step = self.step_fn(state)
+        return self._step(state, self.put_batch(batch))
+
     def eval_fn(self):
         return self.engine.loss()
 
-    def put_batch(self, local_batch: dict[str, np.ndarray]):
+    def put_batch(self, batch: dict) -> dict:
+        """``{"inputs", "targets"}`` -> sharded device arrays. numpy rows are this process's
+        share of the global batch (all rows on one process); jax arrays are placed as they are.
+        A wrong key, shape or dtype is a ``ValueError`` naming the expected one."""
+        check_batch(batch, self.cfg, processes=jax.process_count())
         sharding = self.engine.batch_sharding
-        return {k: jax.make_array_from_process_local_data(sharding, v)
-                for k, v in local_batch.items()}
+        return {k: v if isinstance(v, jax.Array) and v.sharding == sharding
+                else jax.make_array_from_process_local_data(sharding, np.asarray(v))
+                for k, v in batch.items()}
+
+    def run(self) -> list[dict]:
+        """The training loop the CLI runs (:func:`run`), on this trainer."""
+        return run(self.cfg, trainer=self)
+
+
+def check_batch(batch: dict, cfg: Config, *, processes: int = 1) -> None:
+    """Raise ``ValueError`` unless ``batch`` is ``{"inputs", "targets"}`` of integer token ids
+    shaped ``[train.batch_size / processes, train.seq_len]`` (jax arrays: the global shape)."""
+    t = cfg.train
+    if not isinstance(batch, dict) or set(batch) != {"inputs", "targets"}:
+        keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(f"a batch is a dict with keys 'inputs' and 'targets'; got {keys}")
+    for k, v in batch.items():
+        rows = t.batch_size if isinstance(v, jax.Array) else t.batch_size // processes
+        if tuple(v.shape) != (rows, t.seq_len):
+            raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}; expected ({rows}, "
+                             f"{t.seq_len}) = (train.batch_size{'' if rows == t.batch_size else ' / processes'}, "
+                             f"train.seq_len)")
+        if not jnp.issubdtype(v.dtype, jnp.integer):
+            raise ValueError(f"batch[{k!r}] has dtype {v.dtype}; token ids are integers (int32)")
 
 
 MOE_METRICS = ("lm_loss", "aux_loss", "load_balancing_loss", "z_loss", "dropped_fraction",
@@ -206,7 +205,7 @@ def _read_records(path: Path, upto: int) -> list[dict]:
     return records
 
 
-def run(cfg: Config, devices=None) -> list[dict]:
+def run(cfg: Config, devices=None, *, trainer: Trainer | None = None) -> list[dict]:
     """Train to ``cfg.train.steps``, resuming from the latest checkpoint in ``train.out_dir``.
 
     Returns the metric records of the whole run (earlier segments included), as written to
@@ -217,7 +216,7 @@ def run(cfg: Config, devices=None) -> list[dict]:
     from jaxtp.checkpoint import Checkpointer
 
     t = cfg.train
-    trainer = Trainer(cfg, devices)
+    trainer = trainer or Trainer(cfg, devices)
     eng = trainer.engine
     tokens = data_lib.load_tokens(cfg.data, vocab_size=cfg.model.vocab_size,
                                   cache_dir=t.out_dir)
@@ -251,7 +250,7 @@ def run(cfg: Config, devices=None) -> list[dict]:
         print(f"resuming from step {start} ({ckpt.directory})", flush=True)
 
     step_fn, eval_fn = trainer.step_fn(state), trainer.eval_fn()
-    flops_per_step = analytic_flops(eng)
+    flops_per_step = model_flops(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len)
     peak = peak_flops(list(eng.mesh.devices.flat))
     tokens_per_step = t.batch_size * t.seq_len
     bar = tqdm(range(start + 1, t.steps + 1), desc="train", disable=not is_main,

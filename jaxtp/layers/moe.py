@@ -47,6 +47,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtp import validate
+from jaxtp.axes import BATCH_AXES, CONTEXT
+from jaxtp.axes import EXPERT as EXPERT_AXIS
 # the two all-to-alls of expert parallelism live with the other collectives; re-exported here
 from jaxtp.collectives import EXPERT, combine_from_experts, dispatch_to_experts
 from jaxtp.config import ConfigError
@@ -55,7 +58,7 @@ from jaxtp.layers import param, residual_std
 # Mesh axes that shard tokens: the statistics of the routing are averaged over them. `pipeline`
 # is not one (different stages hold different layers) and `model` holds copies of the same tokens
 # (averaged too, so that each copy carries 1/t of the gradient; see `_mean_over_copies`).
-TOKEN_AXES = ("data", "fsdp", "context", "expert")
+TOKEN_AXES = BATCH_AXES + (CONTEXT, EXPERT_AXIS)
 
 
 # ---- settings --------------------------------------------------------------------------------
@@ -84,26 +87,13 @@ class MoESettings:
 
 
 def check_moe(settings: MoESettings, expert_degree: int = 1) -> None:
-    """Raise ``ConfigError`` (a ``ValueError``) naming the fix, before any compile."""
+    """Raise ``ConfigError`` (a ``ValueError``) naming the fix, before any compile (the rules live
+    in :func:`jaxtp.validate.check_experts`)."""
     s = settings
-    if s.n_experts < 1:
-        raise ConfigError(f"model.n_experts={s.n_experts} must be >= 1")
-    if not 1 <= s.top_k <= s.n_experts:
-        raise ConfigError(f"model.top_k={s.top_k} must be between 1 and model.n_experts="
-                          f"{s.n_experts}: each token picks top_k distinct experts; lower "
-                          f"model.top_k or raise model.n_experts")
-    if s.n_experts % expert_degree:
-        raise ConfigError(f"model.n_experts={s.n_experts} is not divisible by parallel.expert="
-                          f"{expert_degree}: each expert rank holds n_experts / expert whole "
-                          f"experts; use a parallel.expert that divides {s.n_experts} or change "
-                          f"model.n_experts")
-    if s.capacity_factor < 0:
-        raise ConfigError(f"model.capacity_factor={s.capacity_factor} must be >= 0 "
-                          f"(0 = dropless)")
-    if s.moe_every < 1:
-        raise ConfigError(f"model.moe_every={s.moe_every} must be >= 1")
-    if s.router_aux_loss_coef < 0 or s.router_z_loss_coef < 0:
-        raise ConfigError("model.router_aux_loss_coef and model.router_z_loss_coef must be >= 0")
+    validate.check_experts(n_experts=s.n_experts, top_k=s.top_k,
+                           capacity_factor=s.capacity_factor, moe_every=s.moe_every,
+                           router_aux_loss_coef=s.router_aux_loss_coef,
+                           router_z_loss_coef=s.router_z_loss_coef, expert_degree=expert_degree)
 
 
 def expert_capacity(tokens_per_group: int, settings: MoESettings) -> int:

@@ -28,25 +28,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-LAYOUTS = ("zigzag", "contiguous")
+from jaxtp import validate
+
+LAYOUTS = validate.CONTEXT_LAYOUTS
 _MASKED = -1e30  # finite, so a fully masked row never turns exp(-inf - -inf) into NaN
 
 
 # ---- layouts ---------------------------------------------------------------------------------
 
 def check_sequence(seq_len: int, cp: int, layout: str) -> None:
-    """Raise ``ValueError`` unless a global sequence of ``seq_len`` can be laid out over ``cp``."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"ring attention layout must be one of {LAYOUTS}, got {layout!r}")
-    if cp < 1:
-        raise ValueError(f"context-parallel degree must be >= 1, got cp={cp}")
-    chunks = 2 * cp if layout == "zigzag" else cp
-    if seq_len % chunks:
-        what = "2*cp chunks (two per device)" if layout == "zigzag" else "cp chunks"
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by {chunks}: the {layout} layout cuts the "
-            f"sequence into {what} for cp={cp}; pad the sequence to a multiple of {chunks} or "
-            f"change parallel.context")
+    """Raise ``ValueError`` unless a global sequence of ``seq_len`` can be laid out over ``cp``
+    (the rule lives in :func:`jaxtp.validate.check_sequence`)."""
+    validate.check_sequence(seq_len, context=cp, layout=layout)
 
 
 def _layout_order(seq_len: int, cp: int, layout: str) -> np.ndarray:
