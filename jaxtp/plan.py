@@ -17,11 +17,12 @@ import math
 from dataclasses import dataclass
 
 from jaxtp.config import Config, ConfigError
-from jaxtp.cost_model import (AXES, REMATS, SCHEDULES, Estimate, Layout, Shape, batch_expert,
-                              effective_remat, gradient_sync, link, memory, micro_batch_size,
-                              stage_params, step_time, zero_shards)
+from jaxtp.cost_model import AXES, REMATS, SCHEDULES, Estimate, Layout, Shape
 from jaxtp.hardware import Hardware
+from jaxtp.memory_model import (batch_expert, effective_remat, memory, micro_batch_size,
+                                stage_params, zero_shards)
 from jaxtp.schedules import build as build_schedule
+from jaxtp.time_model import gradient_sync, link, step_time
 
 # ---------------------------------------------------------------------------------------------
 # The search
