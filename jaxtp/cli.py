@@ -106,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.verb == "plan":
-            from jaxtp import plan
+            from jaxtp import plan_cli
 
-            print(plan.run_cli(config_name=args.config, n_devices=args.devices,
-                               hardware=args.hardware, hardware_file=args.hardware_file,
-                               overrides=args.overrides, as_json=args.json,
-                               verify_k=args.verify, top=args.top,
-                               activations=args.activations, runnable=args.runnable,
-                               use_devices=_use_devices))
+            print(plan_cli.run_cli(config_name=args.config, n_devices=args.devices,
+                                   hardware=args.hardware, hardware_file=args.hardware_file,
+                                   overrides=args.overrides, as_json=args.json,
+                                   verify_k=args.verify, top=args.top,
+                                   activations=args.activations, runnable=args.runnable,
+                                   use_devices=_use_devices))
             return 0
         cfg = load(args.config, args.overrides)
         _use_devices(args.devices)

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from jaxtp import cli, config, engine, hlo, inspect
+from jaxtp import cli, config, engine, hlo, hlo_source, inspect
 from jaxtp.config import ConfigError, ParallelConfig
 from jaxtp.mesh import mesh_shape
 
@@ -46,7 +46,7 @@ def test_tensor_parallel_all_reduces_come_from_attention_and_mlp(train_report):
     in_loop = [op for op in r.ops if op.axes == ("model",) and op.executions == cfg.model.n_layers]
     assert [op.tensors for op in in_loop] == [1] * 4  # the Megatron census: 2 forward, 2 backward
     modules = inspect.module_paths(eng)
-    sources = sorted(hlo.source(op.parts[0], modules) for op in in_loop)
+    sources = sorted(hlo_source.source(op.parts[0], modules) for op in in_loop)
     if cfg.parallel.mode == "explicit":
         assert sources == [
             "blocks/attn: copy_to_model (backward)", "blocks/attn: reduce_from_model",
@@ -83,7 +83,7 @@ def test_fused_operands_are_attributed_one_by_one(train_report):
     for op in r.ops:
         assert len(op.parts) == op.tensors and sum(p.bytes for p in op.parts) == op.bytes
     # XLA fuses the gradient sync with the loss psum: two sources in one op
-    assert any(len({hlo.source(p) for p in op.parts}) > 1 for op in fused)
+    assert any(len({hlo_source.source(p) for p in op.parts}) > 1 for op in fused)
 
 
 def test_train_step_bytes_adam_fp32(train_report):
@@ -133,11 +133,11 @@ def test_hosts_per_axis_and_link():
         inspect.hosts_per_axis(ParallelConfig(dcn_data=3), degrees)
 
 
-PKG = os.path.dirname(hlo.__file__)
+PKG = os.path.dirname(hlo_source.__file__)
 
 
 def _frame(file, function):
-    return hlo.Frame(os.path.join(PKG, file) if file else "/lib/optax/x.py", function, 1)
+    return hlo_source.Frame(os.path.join(PKG, file) if file else "/lib/optax/x.py", function, 1)
 
 
 MODULES = {"Attention": [("blocks/attn", ("MoEBlock", "Transformer")),
@@ -175,8 +175,8 @@ MODULES = {"Attention": [("blocks/attn", ("MoEBlock", "Transformer")),
     ([], "jit(f)/all_gather", "all_gather"),
 ])
 def test_source_rule(frames, op_name, expected):
-    part = hlo.Part(8, op_name, tuple(_frame(*f) for f in frames))
-    assert hlo.source(part, MODULES) == expected
+    part = hlo_source.Part(8, op_name, tuple(_frame(*f) for f in frames))
+    assert hlo_source.source(part, MODULES) == expected
 
 
 def test_tracebacks_reach_the_caller():

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxtp import config, cost_model, engine, plan
+from jaxtp import config, cost_model, engine, memory_model, plan
 from jaxtp.config import ConfigError
 from jaxtp.hardware import get_hardware, load_hardware
 
@@ -73,7 +73,7 @@ def test_respects_memory_and_shrinking_hbm_removes_layouts():
                                     else 0) for e in ests}
     assert keys(fewer) < keys(found)
     was = {dataclasses.replace(e.layout, remat=""): e.layout.remat for e in found}
-    order = plan.REMATS
+    order = cost_model.REMATS
     for e in fewer:
         key = dataclasses.replace(e.layout, remat="")
         if key in was:
@@ -175,18 +175,18 @@ def _saved_bytes(cfg) -> tuple[int, int]:
 def test_activation_model_is_what_autodiff_saves(extra, remats):
     """jaxtp's activation formula against the residuals JAX's autodiff keeps, per layer and in
     total, for the recompute policies (a change to the model that keeps more or less for backward
-    fails here until cost_model.layer_activation_bytes follows it)."""
+    fails here until memory_model.layer_activation_bytes follows it)."""
     for remat in remats:
         cfg = config.load("tiny", ["train.seq_len=96", "train.batch_size=3", "parallel.data=1",
                                    "model.n_layers=5", f"parallel.remat={remat}", *extra])
         total, per_layer = _saved_bytes(cfg)
         s = cost_model.Shape.of(cfg)
-        want = cost_model.layer_activation_bytes(s, remat=remat, b=3, s_loc=96, t=1, sp=False,
-                                           ring=False)
+        want = memory_model.layer_activation_bytes(s, remat=remat, b=3, s_loc=96, t=1, sp=False,
+                                                   ring=False)
         if remat == "none" and s.compute_bytes != s.param_bytes:  # compute-dtype weight copies
             want += s.compute_bytes * (s.layer_params(1, 1) - 2 * s.d_model)
         assert abs(want / per_layer - 1) < 0.02, (remat, want, per_layer)
-        predicted = cost_model.memory(s, cost_model.Layout(remat=remat))["activations"]
+        predicted = memory_model.memory(s, cost_model.Layout(remat=remat))["activations"]
         assert abs(predicted / total - 1) < 0.03, (remat, predicted, total)
 
 
@@ -211,7 +211,7 @@ def test_cli_json_parses_and_is_sorted(tmp_path):
                 "pipeline_schedule", "virtual_stages", "microbatches", "memory_bytes",
                 "step_time_s", "mfu", "exposed_comm_fraction"} <= set(row)
         assert row["memory_bytes"] <= 0.85 * 80e9 and 0 < row["mfu"] < 1
-        assert math.prod(row[a] for a in plan.AXES) == 64
+        assert math.prod(row[a] for a in cost_model.AXES) == 64
 
 
 def test_cli_pins_and_errors(capsys):
