@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-PIPELINE, DATA, FSDP, CONTEXT, EXPERT, MODEL = "pipeline", "data", "fsdp", "context", "expert", "model"
+PIPELINE, DATA, FSDP = "pipeline", "data", "fsdp"
+CONTEXT, EXPERT, MODEL = "context", "expert", "model"
 
 AXES: tuple[str, ...] = (PIPELINE, DATA, FSDP, CONTEXT, EXPERT, MODEL)
 # the axes that split the batch of a dense layer (EP adds `expert`, see token_axes)

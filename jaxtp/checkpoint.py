@@ -102,11 +102,13 @@ class Checkpointer:
         """The newest step saved (or being saved asynchronously), ``None`` if there is none."""
         return None if self._manager is None else self._manager.latest_step()
 
-    def save(self, step: int, state, *, data_state: dict, force: bool = False) -> None:
+    def save(self, step: int, state, *, data_state: dict, force: bool = False,
+             params_only: bool = False) -> None:
         """Start saving ``state`` at ``step``; returns once the arrays are copied off the devices.
 
         A step at or behind the latest saved one is skipped unless ``force``; a step that already
-        exists is never overwritten (that would risk the only good copy).
+        exists is never overwritten (that would risk the only good copy). ``params_only``:
+        ``state`` is ``{"params": params}``, a model a run can start from (:meth:`restore_params`).
         """
         manager = self._open()
         if step in manager.all_steps():
@@ -116,7 +118,8 @@ class Checkpointer:
         flat, _ = _flatten(state)
         tp = _tensor_parallel_degree(state)
         meta = {"format": FORMAT_VERSION, "model": dataclasses.asdict(self.cfg.model),
-                "tensor_parallel": tp, "padded_vocab": self.cfg.model.padded_vocab_size(tp)}
+                "tensor_parallel": tp, "padded_vocab": self.cfg.model.padded_vocab_size(tp),
+                "params_only": params_only}
         manager.save(step, force=force, args=ocp.args.Composite(
             state=ocp.args.StandardSave(flat),
             data=ocp.args.JsonSave(dict(data_state)),
@@ -169,6 +172,47 @@ class Checkpointer:
         if self._layer_order is not None:
             state = self._layer_order(state, inverse=True)
         return state, dict(restored["data"])
+
+    def _meta(self, step: int) -> dict:
+        """The checked ``meta`` item of ``step`` (model config, padding, format)."""
+        where = self.directory / str(step)
+        with self._reading(step):
+            meta = self._open().restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict):
+                raise FileNotFoundError(f"{where / 'meta'} is missing")
+        self._check_model(meta, where)
+        return meta
+
+    def is_params_only(self, step: int) -> bool:
+        """Whether ``step`` holds parameters alone (written by :meth:`jaxtp.Model.save`)."""
+        return bool(self._meta(step).get("params_only", False))
+
+    def restore_params(self, step: int | None, *, like):
+        """The parameters of ``step`` (``None``: the latest; a full train state or a params-only
+        checkpoint), in ``like``'s shardings (an abstract or placed parameter State). Reads
+        only the parameter arrays, never the optimizer state."""
+        step = self._resolve_step(step)
+        meta = self._meta(step)
+        where = self.directory / str(step)
+        target, treedef = _flatten({"params": like})
+        with self._reading(step):
+            saved = self._open().item_metadata(step)["state"]
+        saved = dict(saved.tree if hasattr(saved, "tree") else saved)
+        saved = {k: v for k, v in saved.items() if k.startswith("params.")}
+        resized = self._check_shapes(saved, target, meta, where)
+        args = {k: ocp.ArrayRestoreArgs(sharding=self._sharding_of(k, v), global_shape=v.shape,
+                                        dtype=v.dtype,
+                                        strict=not resized) for k, v in target.items()}
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in target.items()}
+        with self._reading(step):
+            restored = ocp.PyTreeCheckpointer().restore(
+                where / "state", args=ocp.args.PyTreeRestore(
+                    item=abstract, restore_args=args, partial_restore=True))
+        params = jax.tree_util.tree_unflatten(treedef, [restored[k] for k in target])["params"]
+        if self._layer_order is not None:
+            params = self._layer_order({"params": params}, inverse=True)["params"]
+        return params
 
     def _resolve_step(self, step: int | None) -> int:
         if not self.directory.exists():

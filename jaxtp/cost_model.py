@@ -30,9 +30,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from jaxtp.axes import AXES  # noqa: F401  (the mesh order; importers read it here)
 from jaxtp.config import Config
 
-AXES = ("pipeline", "data", "fsdp", "context", "expert", "model")  # jaxtp.mesh order
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 REMATS = ("none", "selective", "full")  # fastest first
 

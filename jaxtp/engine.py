@@ -103,9 +103,10 @@ class Engine:
         return self._jit(self.loss_fn(), self._replicated)
 
 
-def build(cfg: Config, devices=None) -> Engine:
-    """Validate ``cfg`` against the devices and derive the layout, region and steps."""
-    return Engine(build_layout(cfg, devices))
+def build(cfg: Config, devices=None, *, training: bool = True) -> Engine:
+    """Validate ``cfg`` against the devices and derive the layout, region and steps
+    (``training=False``: for scoring only, see :func:`jaxtp.validate.validate`)."""
+    return Engine(build_layout(cfg, devices, training=training))
 
 
 def reference_loss_fn(cfg: Config, padded_vocab: int | None = None, *,

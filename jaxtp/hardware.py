@@ -83,21 +83,27 @@ def _tpu_slice(name: str, *, peak: float, hbm: float, hbm_bw: float, ici_link: f
 HARDWARE: dict[str, Hardware] = {
     # DGX A100 80GB (Narayanan et al.'s Selene nodes): NVLink 3 600 GB/s bidirectional per GPU,
     # 8 x HDR InfiniBand 200 Gb/s per node.
-    "a100": _gpu_node("a100", peak=PEAK_FLOPS["a100"], hbm=80e9, hbm_bw=2.04e12, nvlink=300e9, ib=25e9,
-                      efficiency=0.8),
+    "a100": _gpu_node(
+        "a100", peak=PEAK_FLOPS["a100"], hbm=80e9, hbm_bw=2.04e12, nvlink=300e9, ib=25e9,
+        efficiency=0.8),
     # DGX H100: NVLink 4 900 GB/s bidirectional per GPU, 8 x NDR 400 Gb/s per node.
-    "h100": _gpu_node("h100", peak=PEAK_FLOPS["h100"], hbm=80e9, hbm_bw=3.35e12, nvlink=450e9, ib=50e9,
-                      efficiency=0.7),
+    "h100": _gpu_node(
+        "h100", peak=PEAK_FLOPS["h100"], hbm=80e9, hbm_bw=3.35e12, nvlink=450e9, ib=50e9,
+        efficiency=0.7),
     # DGX H200: the H100's compute and links with 141 GB of HBM3e.
-    "h200": _gpu_node("h200", peak=PEAK_FLOPS["h200"], hbm=141e9, hbm_bw=4.8e12, nvlink=450e9, ib=50e9,
-                      efficiency=0.7),
+    "h200": _gpu_node(
+        "h200", peak=PEAK_FLOPS["h200"], hbm=141e9, hbm_bw=4.8e12, nvlink=450e9, ib=50e9,
+        efficiency=0.7),
     # TPU slices: ICI inside a slice (3D torus on v4 / v5p, 2D on v6e), DCN between slices.
-    "tpu-v4": _tpu_slice("tpu-v4", peak=PEAK_FLOPS["tpu v4"], hbm=32 * 2**30, hbm_bw=1.2e12, ici_link=45e9,
-                         slice_chips=4096, dcn=6.25e9),
-    "tpu-v5p": _tpu_slice("tpu-v5p", peak=PEAK_FLOPS["tpu v5p"], hbm=95 * 2**30, hbm_bw=2.76e12, ici_link=90e9,
-                          slice_chips=8960, dcn=6.25e9),
-    "tpu-v6e": _tpu_slice("tpu-v6e", peak=PEAK_FLOPS["tpu v6e"], hbm=32 * 2**30, hbm_bw=1.64e12, ici_link=90e9,
-                          slice_chips=256, dcn=6.25e9),
+    "tpu-v4": _tpu_slice(
+        "tpu-v4", peak=PEAK_FLOPS["tpu v4"], hbm=32 * 2**30, hbm_bw=1.2e12, ici_link=45e9,
+        slice_chips=4096, dcn=6.25e9),
+    "tpu-v5p": _tpu_slice(
+        "tpu-v5p", peak=PEAK_FLOPS["tpu v5p"], hbm=95 * 2**30, hbm_bw=2.76e12, ici_link=90e9,
+        slice_chips=8960, dcn=6.25e9),
+    "tpu-v6e": _tpu_slice(
+        "tpu-v6e", peak=PEAK_FLOPS["tpu v6e"], hbm=32 * 2**30, hbm_bw=1.64e12, ici_link=90e9,
+        slice_chips=256, dcn=6.25e9),
 }
 
 

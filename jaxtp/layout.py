@@ -202,12 +202,13 @@ class Layout:
                                                                         self.batch_sharding)}
 
 
-def build_layout(cfg: Config, devices=None) -> Layout:
-    """Validate ``cfg`` against the devices and derive the mesh, tables and abstract model."""
+def build_layout(cfg: Config, devices=None, *, training: bool = True) -> Layout:
+    """Validate ``cfg`` against the devices and derive the mesh, tables and abstract model
+    (``training=False``: without the ``train.*`` batch rules, :func:`jaxtp.validate.validate`)."""
     validate_model(cfg.model)  # the model's own rules before the mesh's
     mesh = build_mesh(cfg.parallel, devices)
     degrees = mesh_shape(mesh)
-    validate(cfg, degrees, platform=mesh.devices.flat[0].platform)
+    validate(cfg, degrees, platform=mesh.devices.flat[0].platform, training=training)
     padded_vocab = cfg.model.padded_vocab_size(degrees["model"])
     graphdef, state = abstract_model(cfg, padded_vocab)
     return Layout(cfg=cfg, mesh=mesh, degrees=degrees, param_rules=param_rules(cfg.parallel),

@@ -17,6 +17,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
+from jaxtp.axes import BATCH_AXES
 from jaxtp.config import Config, ConfigError
 from jaxtp.cost_model import AXES, REMATS, SCHEDULES, Estimate, Layout, Shape
 from jaxtp.hardware import Hardware
@@ -24,6 +25,7 @@ from jaxtp.memory_model import (batch_expert, effective_remat, memory, micro_bat
                                 stage_params, zero_shards)
 from jaxtp.schedules import build as build_schedule
 from jaxtp.time_model import gradient_sync, link, step_time
+from jaxtp.validate import validate
 
 # ---------------------------------------------------------------------------------------------
 # The search
@@ -45,36 +47,6 @@ class SearchSpace:
 def divisors(n: int) -> list[int]:
     small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
     return sorted(set(small + [n // i for i in small]))
-
-
-def check_layout(s: Shape, layout: Layout, n_devices: int) -> str:
-    """Why ``layout`` cannot run this model on ``n_devices`` ("" when it can): DESIGN.md's
-    constraints, the ones jaxtp.mesh.validate checks and those of the pipeline schedules."""
-    lo, deg = layout, layout.degrees()
-    if any(x < 1 for x in deg.values()) or math.prod(deg.values()) != n_devices:
-        return f"degrees {deg} do not multiply to {n_devices}"
-    t, p, c, m, v = lo.model, lo.pipeline, lo.context, lo.microbatches, lo.virtual_stages
-    checks = [
-        (s.heads % t, f"heads {s.heads} % model {t}"),
-        (s.kv_heads % t, f"kv_heads {s.kv_heads} % model {t}"),
-        (s.d_ff % t, f"d_ff {s.d_ff} % model {t}"),
-        (s.layers % (p * v), f"layers {s.layers} % (pipeline {p} x virtual stages {v})"),
-        (s.batch % (lo.data * lo.fsdp * batch_expert(s, lo) * m),
-         f"batch {s.batch} % (data x fsdp x microbatches)"),
-        (c > 1 and s.seq % (2 * c), f"seq {s.seq} % (2 x context {c}) for the zig-zag layout"),
-        (lo.sequence_parallel and (t == 1 or (s.seq // c) % t),
-         "sequence parallelism needs model > 1 dividing the local sequence"),
-        (lo.expert > 1 and (not s.moe or s.n_experts % lo.expert),
-         f"experts {s.n_experts} % expert {lo.expert}"),
-        (lo.pipeline_schedule not in SCHEDULES, f"schedule {lo.pipeline_schedule}"),
-        (p > 1 and lo.pipeline_schedule != "gpipe" and m < p, "microbatches < pipeline"),
-        (lo.pipeline_schedule == "interleaved" and (p == 1 or v < 2 or m % p),
-         "interleaved needs pipeline > 1, virtual stages >= 2, microbatches % pipeline == 0"),
-        (lo.pipeline_schedule != "interleaved" and v != 1, "virtual stages need interleaved"),
-        (lo.zero_stage not in (0, 1, 2, 3), "zero_stage"),
-        (lo.remat not in REMATS + ("dots_saveable",), "remat"),
-    ]
-    return "; ".join(msg for bad, msg in checks if bad)
 
 
 def _pinned(space: SearchSpace, name: str, value) -> bool:
@@ -228,10 +200,8 @@ def plan(cfg: Config, n_devices: int, hw: Hardware, *, space: SearchSpace = Sear
 
 
 def engine_support(cfg: Config, layout: Layout) -> str:
-    """"" when this version of jaxtp's engine accepts ``layout`` (jaxtp.mesh.validate), else its
-    reason."""
-    from jaxtp.mesh import validate
-
+    """"" when this version of jaxtp's trainer accepts ``layout`` (:func:`jaxtp.validate.validate`,
+    the trainer's own rules), else its reason."""
     par = dataclasses.replace(cfg.parallel, **{a: getattr(layout, a) for a in AXES},
                               zero_stage=layout.zero_stage, remat=layout.remat,
                               sequence_parallel=layout.sequence_parallel,
@@ -239,7 +209,7 @@ def engine_support(cfg: Config, layout: Layout) -> str:
                               virtual_stages=layout.virtual_stages)
     train = dataclasses.replace(cfg.train, microbatches=layout.microbatches)
     try:
-        validate(cfg.model, par, train, layout.degrees())
+        validate(dataclasses.replace(cfg, parallel=par, train=train), layout.degrees())
     except ConfigError as e:
         return str(e)
     return ""
@@ -269,7 +239,7 @@ def predicted_grad_step(s: Shape, layout: Layout, *, activations: str = "jaxtp")
     if t > 1:
         per_layer = 4 + (2 if effective_remat(layout) == "full" else 0)
         census["all-reduce", ("model",)] = m * (s.layers * per_layer + 2) * tokens * s.d_model * e
-    d_axes = tuple(a for a in ("data", "fsdp") if getattr(layout, a) > 1)
+    d_axes = tuple(a for a in BATCH_AXES if getattr(layout, a) > 1)
     for kind, axes, nbytes in gradient_sync(layout, pb * psi / n_p):
         census[kind, axes] = census.get((kind, axes), 0.0) + nbytes
     c = layout.context

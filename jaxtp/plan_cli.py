@@ -95,8 +95,6 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], list[str], tuple]:
                 raise ConfigError(f"{key}={text!r} is not a {kind.__name__}") from None
             if value != -1:
                 pins.append((name, value))
-            if name in ("pipeline_schedule", "virtual_stages"):
-                continue  # not config fields (yet)
         config.append(item)
     return config, hardware, tuple(pins)
 

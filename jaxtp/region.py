@@ -68,7 +68,7 @@ class Region:
         return math.prod(self.layout.degrees[a] for a in self.token_axes)
 
     def specs_in(self, specs, manual: tuple[str, ...]):
-        """``shard_map`` specs of ``specs`` (any pytree of PartitionSpecs) naming only ``manual``."""
+        """``shard_map`` specs of ``specs`` (a pytree of PartitionSpecs) naming only ``manual``."""
         return jax.tree.map(lambda s: restrict(s, manual), specs, is_leaf=is_spec)
 
     def per_device(self, fn: Callable, *, out_specs, extra: tuple[str, ...] = (),

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtp import data as data_lib
 from jaxtp import engine as engine_lib
 from jaxtp import optim
-from jaxtp.config import Config, ConfigError
+from jaxtp.config import Config, ConfigError, write_run_config
 from jaxtp.flops import model_flops, peak_flops
 
 @dataclass
@@ -42,6 +42,11 @@ jax.tree_util.register_dataclass(TrainState, data_fields=["params", "opt_state",
 
 
 class Trainer:
+    """The training step of ``cfg`` on the devices: the optax update on the loss and gradients of
+    :class:`jaxtp.engine.Engine`, state sharded and donated. Use :meth:`init_state` and
+    :meth:`step` from a script, or :meth:`run` for the CLI's whole loop (data, checkpoints,
+    metrics)."""
+
     def __init__(self, cfg: Config, devices=None):
         self.cfg = cfg
         self.engine = engine_lib.build(cfg, devices)
@@ -49,8 +54,10 @@ class Trainer:
         self._replicated = NamedSharding(self.engine.mesh, PartitionSpec())
         self._step = None  # the jitted step, built by the first step()
 
-    def init_state(self) -> TrainState:
-        params = self.engine.init_params()
+    def init_state(self, params: nnx.State | None = None) -> TrainState:
+        """A fresh train state at step 0: ``params`` (sharded like this trainer's, e.g. a
+        :class:`jaxtp.Model`'s) or a random init, and a fresh optimizer."""
+        params = self.engine.init_params() if params is None else params
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings())(params)
         return TrainState(params, opt_state, jax.device_put(jnp.int32(0), self._replicated))
 
@@ -137,9 +144,9 @@ def check_batch(batch: dict, cfg: Config, *, processes: int = 1) -> None:
     for k, v in batch.items():
         rows = t.batch_size if isinstance(v, jax.Array) else t.batch_size // processes
         if tuple(v.shape) != (rows, t.seq_len):
+            per = "" if rows == t.batch_size else " / processes"
             raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}; expected ({rows}, "
-                             f"{t.seq_len}) = (train.batch_size{'' if rows == t.batch_size else ' / processes'}, "
-                             f"train.seq_len)")
+                             f"{t.seq_len}) = (train.batch_size{per}, train.seq_len)")
         if not jnp.issubdtype(v.dtype, jnp.integer):
             raise ValueError(f"batch[{k!r}] has dtype {v.dtype}; token ids are integers (int32)")
 
@@ -237,10 +244,15 @@ def run(cfg: Config, devices=None, *, trainer: Trainer | None = None) -> list[di
     if latest is None:
         state = trainer.init_state()
         start = 0
+    elif ckpt.is_params_only(latest):  # a saved model (jaxtp.Model.save): fine-tune it
+        params = ckpt.restore_params(latest, like=eng.layout.abstract_params_sharded())
+        state, start = trainer.init_state(params), 0
     else:
         state, data_state = ckpt.restore(latest, like=trainer.abstract_state())
         loader.restore(data_state)
         start = int(state.step)
+    if jax.process_index() == 0:
+        write_run_config(cfg, out)
     is_main = jax.process_index() == 0
     metrics_path = out / "metrics.jsonl"
     records = _read_records(metrics_path, start) if start else []

@@ -23,14 +23,25 @@ from jaxtp.schedules import ScheduleError, check_pipeline
 CONTEXT_LAYOUTS = ("zigzag", "contiguous")
 
 
-def validate(cfg: Config, degrees: Mapping[str, int], *, platform: str | None = None) -> None:
+def validate(cfg: Config, degrees: Mapping[str, int], *, platform: str | None = None,
+             training: bool = True) -> None:
     """Raise :class:`~jaxtp.config.ConfigError` for the first rule ``cfg`` breaks on a mesh of
     ``degrees`` (each axis' resolved size) on ``platform`` (``cpu``, ``gpu``, ``tpu``; ``None``
-    skips the platform rules)."""
+    skips the platform rules). ``training=False`` (scoring and generation with
+    :class:`jaxtp.Model`): the ``train.*`` batch, sequence and micro-batch rules are skipped,
+    since each call brings its own batch and is checked then."""
     model, parallel, train = cfg.model, cfg.parallel, cfg.train
     validate_model(model)
     _tensor_parallel(model, degrees)
     _experts(model, degrees)
+    if training:
+        _train_batch(model, parallel, train, degrees)
+    _pipeline(model, parallel, train, degrees, training=training)
+    _attention(model, degrees, platform)
+
+
+def _train_batch(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                 degrees: Mapping[str, int]) -> None:
     _batch(train, degrees)
     if train.seq_len > model.max_seq_len:
         raise ConfigError(f"train.seq_len={train.seq_len} exceeds model.max_seq_len="
@@ -39,8 +50,6 @@ def validate(cfg: Config, degrees: Mapping[str, int], *, platform: str | None = 
         raise ConfigError(f"parallel.zero_stage={parallel.zero_stage}: ZeRO stages are 0 (off), "
                           f"1 (moments), 2 (+ gradients) and 3 (+ parameters)")
     _sequence(parallel, train, degrees)
-    _pipeline(model, parallel, train, degrees)
-    _attention(model, degrees, platform)
 
 
 def _tensor_parallel(model: ModelConfig, degrees: Mapping[str, int]) -> None:
@@ -145,7 +154,7 @@ def _sequence(parallel: ParallelConfig, train: TrainConfig, degrees: Mapping[str
 
 
 def _pipeline(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
-              degrees: Mapping[str, int]) -> None:
+              degrees: Mapping[str, int], *, training: bool = True) -> None:
     """Pipeline stages: ``pipeline x virtual_stages`` equal slices of the layer scan, a schedule
     that can run ``train.microbatches``, and the features a stage supports."""
     p, v, m = degrees[PIPELINE], parallel.virtual_stages, train.microbatches
@@ -167,7 +176,7 @@ def _pipeline(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
                           f"x parallel.virtual_stages={v} = {stages} stages (uneven stages are "
                           f"not supported yet); use a stage count that divides {n}")
     try:
-        check_pipeline(parallel.pipeline_schedule, p, m, v)
+        check_pipeline(parallel.pipeline_schedule, p, m if training else max(m, p * v), v)
     except ScheduleError as e:
         raise ConfigError(f"parallel.pipeline_schedule: {e} (train.microbatches sets the "
                           f"micro-batch count)") from None

@@ -42,7 +42,6 @@ def test_every_proposal_is_valid(name, n, hw, over):
     for est in found:
         lo = est.layout
         assert math.prod(lo.degrees().values()) == n
-        assert plan.check_layout(s, lo, n) == "", lo
         assert s.heads % lo.model == 0 and s.kv_heads % lo.model == 0
         assert s.layers % (lo.pipeline * lo.virtual_stages) == 0
         assert s.batch % (lo.data * lo.fsdp * lo.expert * lo.microbatches) == 0
