@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtp import data as data_lib
 from jaxtp import engine as engine_lib
 from jaxtp import optim
+from jaxtp.check_values import check_eval_split, check_run_files
 from jaxtp.config import Config, ConfigError
 from jaxtp.inspect import analytic_flops
 
@@ -217,14 +218,16 @@ def run(cfg: Config, devices=None) -> list[dict]:
     from jaxtp.checkpoint import Checkpointer
 
     t = cfg.train
-    trainer = Trainer(cfg, devices)
-    eng = trainer.engine
+    check_run_files(cfg)  # data, tokenizer and out_dir: one-line errors before any compile
     tokens = data_lib.load_tokens(cfg.data, vocab_size=cfg.model.vocab_size,
                                   cache_dir=t.out_dir)
     if int(tokens.max()) >= cfg.model.vocab_size:
         raise ConfigError(f"the corpus has token id {int(tokens.max())} >= model.vocab_size="
                           f"{cfg.model.vocab_size}")
     train_tokens, eval_tokens = data_lib.train_eval_split(tokens, cfg.data.eval_fraction)
+    check_eval_split(cfg, len(eval_tokens))
+    trainer = Trainer(cfg, devices)
+    eng = trainer.engine
     loader_args = dict(batch_size=t.batch_size, seq_len=t.seq_len,
                        process_index=jax.process_index(), process_count=jax.process_count())
     loader = data_lib.Loader(train_tokens, seed=t.seed, **loader_args)

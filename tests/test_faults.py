@@ -1,0 +1,154 @@
+"""Operating a long run (issue 21): bad values and files are one-line errors before any compile;
+SIGTERM / SIGINT save and exit 0; corrupt checkpoints are detected and skipped; one trainer per
+run directory; async save errors stop the run; a stalled step trips the watchdog; TensorBoard,
+profiler and config.json are written.
+
+Value and file errors run ``jaxtp.cli.main`` in this process (they stop before JAX compiles
+anything); signals, locks and the watchdog run ``python -m jaxtp`` as a user would.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxtp import cli
+
+TINY = ["train.log_every=5", "train.eval_every=1000", "train.eval_batches=1"]
+
+
+def _cli_error(capsys, *args) -> tuple[int, str]:
+    rc = cli.main(list(args))
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def _assert_one_line_error(rc, err, *needles):
+    assert rc != 0
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("jaxtp: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Values: refused at config load, naming the key, the value and the range
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.lr=-1", "train.lr=-1.0 is out of range: it must be a finite number > 0.0"),
+    ("train.lr=nan", "train.lr=nan is out of range"),
+    ("train.lr=inf", "train.lr=inf is out of range"),
+    ("train.grad_clip=-1", "train.grad_clip=-1.0 is out of range"),
+    ("train.min_lr_ratio=-5", "train.min_lr_ratio=-5.0 is out of range: it must be a number in "
+                              "[0.0, 1.0]"),
+    ("train.weight_decay=-0.1", "train.weight_decay=-0.1 is out of range"),
+    ("train.batch_size=0", "train.batch_size=0 is out of range: it must be a whole number >= 1"),
+    ("train.microbatches=0", "train.microbatches=0 is out of range"),
+    ("train.seq_len=0", "train.seq_len=0 is out of range"),
+    ("train.seed=-1", "train.seed=-1 is out of range: it must be a whole number in [0, "),
+    ("train.steps=0", "train.steps=0 is out of range"),
+    ("train.steps=-5", "train.steps=-5 is out of range"),
+    ("train.log_every=0", "train.log_every=0 is out of range"),
+    ("train.eval_every=0", "train.eval_every=0 is out of range"),
+    ("train.eval_batches=0", "train.eval_batches=0 is out of range"),
+    ("train.checkpoint_every=-1", "train.checkpoint_every=-1 is out of range: it must be a "
+                                  "whole number >= 0"),
+    ("train.warmup_steps=-5", "train.warmup_steps=-5 is out of range"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints=0 is out of range"),
+    ("train.step_timeout_s=0", "train.step_timeout_s=0.0 is out of range"),
+    ("train.out_dir=", "train.out_dir='' is empty"),
+    ("train.profile_steps=5", "train.profile_steps='5' must look like START:END"),
+    ("train.profile_steps=9:3", "train.profile_steps='9:3' must look like START:END"),
+    ("data.eval_fraction=0", "data.eval_fraction=0.0 is out of range: it must be a number in "
+                             "(0.0, 1.0)"),
+    ("data.eval_fraction=1", "data.eval_fraction=1.0 is out of range"),
+    ("data.tokenizer_path=tok.json", "data.tokenizer_path='tok.json' is set but "
+                                     "data.tokenizer='byte' does not read it"),
+])
+def test_bad_train_and_data_values_are_refused_at_load(capsys, override, needle):
+    rc, err = _cli_error(capsys, "train", "--config", "tiny", override)
+    assert rc == 2
+    _assert_one_line_error(rc, err, needle)
+
+
+def test_microbatches_must_divide_the_batch(capsys):
+    rc, err = _cli_error(capsys, "train", "train.batch_size=8", "train.microbatches=3")
+    _assert_one_line_error(rc, err, "train.batch_size=8 is not divisible by train.microbatches=3")
+
+
+@pytest.mark.parametrize("devices", ["0", "-3"])
+def test_devices_must_be_positive(capsys, devices):
+    rc, err = _cli_error(capsys, "train", "--devices", devices)
+    _assert_one_line_error(rc, err, f"--devices {devices} must be at least 1")
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "cannot read it"),
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "holds a JSON list"),
+])
+def test_bad_hardware_file(capsys, tmp_path, content, needle):
+    path = tmp_path / "hw.json"
+    if content is not None:
+        path.write_text(content)
+    rc, err = _cli_error(capsys, "plan", "--devices", "8", "--hardware-file", str(path))
+    _assert_one_line_error(rc, err, needle)
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Files: one-line errors before the model is built
+# ----------------------------------------------------------------------------------------------
+
+def _data_case(tmp_path, name):
+    if name == "empty-text":
+        (tmp_path / "empty.txt").write_text("")
+        return ["data.path=" + str(tmp_path / "empty.txt")], "holds no text (0 bytes)"
+    if name == "empty-bin":
+        (tmp_path / "empty.bin").write_bytes(b"")
+        return ["data.path=" + str(tmp_path / "empty.bin")], "is empty (0 tokens)"
+    if name == "odd-bin":
+        (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+        return ["data.path=" + str(tmp_path / "odd.bin")], "has 3 bytes, not a whole number"
+    if name == "dir-bin":
+        (tmp_path / "dir.bin").mkdir()
+        return ["data.path=" + str(tmp_path / "dir.bin")], "is a directory, but a .bin name"
+    if name == "binary-as-text":
+        (tmp_path / "blob.dat").write_bytes(bytes(range(256)) * 64)
+        return ["data.path=" + str(tmp_path / "blob.dat")], "is binary (it has NUL bytes)"
+    if name == "bad-tokenizer":
+        (tmp_path / "tok.json").write_text('{"model": 3}')
+        return ["data.tokenizer=bpe", "data.tokenizer_path=" + str(tmp_path / "tok.json")], \
+            "is not a tokenizer.json that the HuggingFace tokenizers library loads"
+    if name == "out-dir-is-file":
+        (tmp_path / "f").write_text("x")
+        return ["train.out_dir=" + str(tmp_path / "f")], "is a file; choose a directory"
+    if name == "out-dir-under-file":
+        (tmp_path / "f").write_text("x")
+        return ["train.out_dir=" + str(tmp_path / "f" / "run")], "is under a file"
+    if name == "tiny-eval-split":
+        return ["data.eval_fraction=0.00001"], "fewer than one eval batch"
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("case", ["empty-text", "empty-bin", "odd-bin", "dir-bin",
+                                  "binary-as-text", "bad-tokenizer", "out-dir-is-file",
+                                  "out-dir-under-file", "tiny-eval-split"])
+def test_bad_files_are_one_line_errors(capsys, tmp_path, case):
+    overrides, needle = _data_case(tmp_path, case)
+    if not any(o.startswith("train.out_dir=") for o in overrides):
+        overrides.append(f"train.out_dir={tmp_path / 'run'}")
+    rc, err = _cli_error(capsys, "train", *overrides)
+    _assert_one_line_error(rc, err, needle)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_out_dir(capsys, tmp_path):
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o555)
+    rc, err = _cli_error(capsys, "train", f"train.out_dir={tmp_path / 'ro' / 'run'}")
+    _assert_one_line_error(rc, err, "is not writable")
