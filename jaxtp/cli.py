@@ -140,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.verb == "train":
             from jaxtp import train
+            from jaxtp.checkpoint import CheckpointSaveError
 
-            train.run(cfg)
+            try:
+                train.run(cfg)
+            except CheckpointSaveError as e:  # disk full, permissions: the older steps are kept
+                print(f"jaxtp: error: {e}", file=sys.stderr)
+                return 4
             return 0
     except ConfigError as e:
         print(f"jaxtp: error: {e}", file=sys.stderr)

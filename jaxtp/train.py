@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtp import data as data_lib
 from jaxtp import engine as engine_lib
-from jaxtp import optim
+from jaxtp import optim, run_guard
 from jaxtp.check_values import check_eval_split, check_run_files
 from jaxtp.config import Config, ConfigError
 from jaxtp.inspect import analytic_flops
@@ -211,14 +211,28 @@ def run(cfg: Config, devices=None) -> list[dict]:
     """Train to ``cfg.train.steps``, resuming from the latest checkpoint in ``train.out_dir``.
 
     Returns the metric records of the whole run (earlier segments included), as written to
-    ``metrics.jsonl``.
+    ``metrics.jsonl``. The run holds ``<out_dir>/jaxtp.lock`` (one trainer per directory); SIGTERM
+    or SIGINT saves a checkpoint at the current step and returns; a step that makes no progress
+    for ``train.step_timeout_s`` ends the process (:mod:`jaxtp.run_guard`).
     """
+    check_run_files(cfg)  # data, tokenizer and out_dir: one-line errors before any compile
+    out = Path(cfg.train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (run_guard.RunLock(out, enabled=jax.process_index() == 0) as lock,
+          run_guard.StopSignals(jax.process_count()) as stop,
+          run_guard.Watchdog(cfg.train.step_timeout_s, stacks_path=out / "watchdog-stacks.txt",
+                             on_timeout=lock.release) as watchdog,
+          run_guard.brief_background_errors()):
+        return _train(cfg, devices, stop=stop, watchdog=watchdog)
+
+
+def _train(cfg: Config, devices, *, stop: run_guard.StopSignals,
+           watchdog: run_guard.Watchdog) -> list[dict]:
     from tqdm import tqdm
 
     from jaxtp.checkpoint import Checkpointer
 
     t = cfg.train
-    check_run_files(cfg)  # data, tokenizer and out_dir: one-line errors before any compile
     tokens = data_lib.load_tokens(cfg.data, vocab_size=cfg.model.vocab_size,
                                   cache_dir=t.out_dir)
     if int(tokens.max()) >= cfg.model.vocab_size:
@@ -234,7 +248,6 @@ def run(cfg: Config, devices=None) -> list[dict]:
     eval_loader = data_lib.Loader(eval_tokens, seed=t.seed + 1, **loader_args)
 
     out = Path(t.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg,
                         layer_order=trainer.engine.natural_layers)
     latest = ckpt.latest_step()
@@ -260,10 +273,16 @@ def run(cfg: Config, devices=None) -> list[dict]:
     bar = tqdm(range(start + 1, t.steps + 1), desc="train", disable=not is_main,
                initial=start, total=t.steps)
     window_start, window_steps, first_window = time.perf_counter(), 0, True
+    stopped_at = None
     try:
         for step in bar:
+            watchdog.beat(step)
+            ckpt.raise_save_errors()  # a failed background save stops the run here
             state, metrics = step_fn(state, trainer.put_batch(next(loader)))
             window_steps += 1
+            if stop.should_stop(step):  # SIGTERM / SIGINT: save this step, then return
+                stopped_at = step
+                break
             log_now = step % t.log_every == 0 or step == t.steps
             save_now = t.checkpoint_every and step % t.checkpoint_every == 0
             if not (log_now or save_now):
@@ -300,12 +319,27 @@ def run(cfg: Config, devices=None) -> list[dict]:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             mfu=f"{100 * rec['mfu']:.1f}%")
             window_start, window_steps = time.perf_counter(), 0
-        if start < t.steps and ckpt.latest_step() != t.steps:
+        if stopped_at is not None:
+            ckpt.save(stopped_at, state, data_state=loader.state(), force=True)
+            ckpt.wait()
+            ckpt.raise_save_errors()
+            bar.close()
+            if is_main:
+                print(f"jaxtp: {stop.received} at step {stopped_at} of {t.steps}: saved "
+                      f"checkpoint {ckpt.directory / str(stopped_at)}; run the same command to "
+                      f"resume", flush=True)
+        elif start < t.steps and ckpt.latest_step() != t.steps:
             ckpt.save(t.steps, state, data_state=loader.state(), force=True)
-    finally:
         ckpt.wait()
-        ckpt.close()
-    if is_main and records:
+        ckpt.raise_save_errors()
+    finally:
+        watchdog.beat(t.steps)  # the last save may take a while; it is progress
+        try:
+            ckpt.wait()
+            ckpt.close()
+        except Exception:  # already reported by raise_save_errors, or by the error in flight
+            pass
+    if is_main and records and stopped_at is None:
         _plot(records, out / "loss.png")
         last = records[-1]
         print(f"done: {t.steps} steps, loss {records[0]['loss']:.3f} -> {last['loss']:.3f}, "

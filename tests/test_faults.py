@@ -152,3 +152,162 @@ def test_read_only_out_dir(capsys, tmp_path):
     os.chmod(tmp_path / "ro", 0o555)
     rc, err = _cli_error(capsys, "train", f"train.out_dir={tmp_path / 'ro' / 'run'}")
     _assert_one_line_error(rc, err, "is not writable")
+
+
+# ----------------------------------------------------------------------------------------------
+# 2, 4, 5, 6. Signals, the run lock, async save errors and the watchdog, in real processes
+# ----------------------------------------------------------------------------------------------
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]),
+                                         env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _train_cmd(out, *overrides):
+    return [sys.executable, "-m", "jaxtp", "train", "--devices", "1", "--config", "tiny",
+            f"train.out_dir={out}", *TINY, *overrides]
+
+
+def _records(out):
+    path = Path(out) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for_step(proc, out, step, timeout=240):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the trainer exited early: {proc.communicate()}")
+        if any(r["step"] >= step for r in _records(out)):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the trainer made no progress")
+
+
+def test_sigterm_saves_the_current_step_and_resumes_exactly(tmp_path):
+    import signal
+
+    steps = ["train.steps=100", "train.checkpoint_every=1000"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    proc = subprocess.Popen(_train_cmd(cut, *steps), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_step(proc, cut, 10)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    line = next(x for x in out.splitlines() if x.startswith("jaxtp: SIGTERM at step"))
+    saved = int(line.split("at step ")[1].split()[0])
+    assert 10 <= saved < 100 and (cut / "checkpoints" / str(saved)).is_dir(), line
+    assert not (cut / "jaxtp.lock").exists()
+    r = subprocess.run(_train_cmd(cut, *steps), env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from step {saved}" in r.stdout
+    subprocess.run(_train_cmd(full, *steps), env=_env(), check=True, capture_output=True,
+                   timeout=300)
+    want = {rec["step"]: rec["loss"] for rec in _records(full)}
+    assert {rec["step"]: rec["loss"] for rec in _records(cut)} == want  # exactly, on CPU
+
+
+def test_second_trainer_is_refused_and_sigint_saves(tmp_path, capsys):
+    import signal
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_train_cmd(out, "train.steps=5000", "train.checkpoint_every=1000"),
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_for_step(proc, out, 5)
+        lock = json.loads((out / "jaxtp.lock").read_text())
+        assert lock["pid"] == proc.pid
+        rc, err = _cli_error(capsys, "train", f"train.out_dir={out}")
+        _assert_one_line_error(rc, err, f"is in use by process {proc.pid}", "one trainer per")
+        seen = max(r["step"] for r in _records(out))
+        _wait_for_step(proc, out, seen + 5)  # the first trainer is untouched
+    finally:
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "jaxtp: SIGINT at step" in stdout
+    steps = [r["step"] for r in _records(out)]
+    assert steps == sorted(set(steps))  # no interleaved or duplicated records
+    assert not (out / "jaxtp.lock").exists()
+
+
+def test_stale_lock_is_taken_over(tmp_path, capsys):
+    import socket
+
+    from jaxtp.run_guard import RunLock, RunLockError
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / RunLock.NAME).write_text(json.dumps(
+        {"pid": dead.pid, "host": socket.gethostname(), "started": 0}))
+    with RunLock(tmp_path):
+        assert json.loads((tmp_path / RunLock.NAME).read_text())["pid"] == os.getpid()
+        with pytest.raises(RunLockError, match=f"in use by process {os.getpid()}"):
+            RunLock(tmp_path).acquire()
+    assert "taking over the stale lock" in capsys.readouterr().err
+    assert not (tmp_path / RunLock.NAME).exists()
+    (tmp_path / RunLock.NAME).write_text(json.dumps(
+        {"pid": 1, "host": "another-host", "started": 0}))
+    with pytest.raises(RunLockError, match="process 1 on host another-host"):
+        RunLock(tmp_path).acquire()
+
+
+def test_failed_background_save_stops_the_run(tmp_path):
+    """Files over 64 KiB cannot be written (RLIMIT_FSIZE, as a full disk would refuse them): the
+    save at step 20 fails in the background; the run stops with one line, step 10 intact."""
+    import shlex
+
+    out = tmp_path / "run"
+    steps = ["train.steps=40", "train.checkpoint_every=10"]
+    subprocess.run(_train_cmd(out, "train.steps=10", "train.checkpoint_every=10"), env=_env(),
+                   check=True, capture_output=True, timeout=300)
+    # SIGXFSZ ignored: a write past the limit fails with EFBIG instead of killing the process
+    limited = f"trap '' XFSZ; ulimit -f 64; exec {shlex.join(_train_cmd(out, *steps))}"
+    r = subprocess.run(["bash", "-c", limited], env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 4, r.stderr
+    # no traceback of jaxtp's; tensorstore may still print orbax's "Event loop is closed" one
+    assert "jaxtp/" not in r.stderr and "CheckpointSaveError" not in r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("jaxtp: error:")]
+    assert len(errors) == 1 and "failed in the background" in errors[0], r.stderr
+    assert "the committed steps [10] are intact" in errors[0]
+    assert max(rec["step"] for rec in _records(out)) < 40
+    assert not (out / "jaxtp.lock").exists()
+
+
+STALL = """
+import sys, time
+from jaxtp import cli, train
+make = train.Trainer.step_fn
+def stalling(self, state):
+    fn, calls = make(self, state), [0]
+    def step(*args):
+        calls[0] += 1
+        if calls[0] == 3:
+            time.sleep(600)  # a peer that never answers
+        return fn(*args)
+    return step
+train.Trainer.step_fn = stalling
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_watchdog_ends_a_stalled_step(tmp_path):
+    cmd = [sys.executable, "-c", STALL, *_train_cmd(tmp_path / "run", "train.steps=50",
+                                                    "train.step_timeout_s=3")[3:]]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 5, r.stderr
+    line = next(x for x in r.stderr.splitlines() if x.startswith("jaxtp: error:"))
+    assert "step 3 made no progress for" in line and "train.step_timeout_s=3" in line
+    assert "<string>\", line 10 in step" in (tmp_path / "run" / "watchdog-stacks.txt").read_text()
+    assert not (tmp_path / "run" / "jaxtp.lock").exists()
