@@ -12,6 +12,10 @@ anywhere. The one shape that depends on the mesh is the vocabulary dim of the em
 head (and their Adam moments), padded to a multiple of ``vocab_pad_multiple x TP degree`` as in
 Megatron-LM (Shoeybi et al. 2019): those rows past ``vocab_size`` are truncated or zero-padded,
 which never changes the loss because padded logits are masked.
+
+Every array's checksum is written in ``meta`` with the step and verified when the step is
+restored (:mod:`jaxtp.integrity`); a state holding NaN / Inf is never saved, and a failed
+background save is raised by :meth:`Checkpointer.raise_save_errors` at the next step.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
+from jaxtp import integrity
 from jaxtp.config import Config, ConfigError, ModelConfig
 
 # Bumped when the layout of the items changes; restore refuses a format it does not know.
@@ -134,8 +139,16 @@ class Checkpointer:
             state = self._layer_order(state)
         flat, _ = _flatten(state)
         tp = _tensor_parallel_degree(state)
+        vocab, padded = self.cfg.model.vocab_size, self.cfg.model.padded_vocab_size(tp)
+        vocab_dims = integrity.vocab_dims(flat, padded, vocab)
+        checksums, finite = integrity.fingerprint(flat, vocab_dims, vocab)
+        if not finite:
+            raise CheckpointSaveError(f"refusing to save step {step}: the train state holds "
+                                      f"NaN or Inf; the saved steps {self.committed_steps()} "
+                                      f"are kept")
         meta = {"format": FORMAT_VERSION, "model": dataclasses.asdict(self.cfg.model),
-                "tensor_parallel": tp, "padded_vocab": self.cfg.model.padded_vocab_size(tp)}
+                "tensor_parallel": tp, "padded_vocab": padded, "checksums": checksums,
+                "checksum_vocab_dims": vocab_dims}
         self.raise_save_errors()  # orbax would raise the previous save's error from save()
         manager.save(step, force=force, args=ocp.args.Composite(
             state=ocp.args.StandardSave(flat),
@@ -169,6 +182,11 @@ class Checkpointer:
             return []
         return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
 
+    def reload(self) -> None:
+        """Re-read the steps on disk (after steps were moved away)."""
+        if self._manager is not None:
+            self._manager.reload()
+
     def wait(self) -> None:
         """Block until every pending asynchronous save is committed (renamed into place)."""
         if self._manager is not None:
@@ -199,6 +217,8 @@ class Checkpointer:
         target, treedef = _flatten(like)
         with self._reading(step):
             saved = manager.item_metadata(step)["state"]
+            if saved is None:  # its _METADATA (the saved tree's shapes) is gone
+                raise FileNotFoundError(f"{where / 'state' / '_METADATA'} is missing")
         saved = dict(saved.tree if hasattr(saved, "tree") else saved)
         resized = self._check_shapes(saved, target, meta, where)
 
@@ -212,6 +232,7 @@ class Checkpointer:
                 data=ocp.args.JsonRestore()))
             if not isinstance(restored["data"], dict):  # without it the resume is not exact
                 raise FileNotFoundError(f"{where / 'data'} is missing")
+        integrity.verify(restored["state"], meta, where)
         state = jax.tree_util.tree_unflatten(treedef, [restored["state"][k] for k in target])
         if self._layer_order is not None:
             state = self._layer_order(state, inverse=True)
@@ -243,7 +264,7 @@ class Checkpointer:
             earlier = [s for s in self.all_steps() if s < step]
             hint = (f"restore an earlier step ({', '.join(map(str, earlier))})" if earlier
                     else "start from scratch")
-            raise ConfigError(
+            raise integrity.CorruptCheckpointError(
                 f"checkpoint step {step} in {self.directory} is incomplete or corrupt "
                 f"({_root_cause(e)}); delete {self.directory / str(step)} and {hint}") from e
 

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtp import data as data_lib
 from jaxtp import engine as engine_lib
-from jaxtp import optim, run_guard
+from jaxtp import integrity, optim, run_guard
 from jaxtp.check_values import check_eval_split, check_run_files
 from jaxtp.config import Config, ConfigError
 from jaxtp.inspect import analytic_flops
@@ -250,15 +250,17 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals,
     out = Path(t.out_dir)
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg,
                         layer_order=trainer.engine.natural_layers)
-    latest = ckpt.latest_step()
-    if latest is None:
+    is_main = jax.process_index() == 0
+    # the newest step whose arrays match their checksums; corrupt newer ones are set aside
+    good = integrity.restore_latest_good(ckpt, trainer.abstract_state(),
+                                         log=lambda line: is_main and print(line, flush=True))
+    if good is None:
         state = trainer.init_state()
         start = 0
     else:
-        state, data_state = ckpt.restore(latest, like=trainer.abstract_state())
+        _, state, data_state = good
         loader.restore(data_state)
         start = int(state.step)
-    is_main = jax.process_index() == 0
     metrics_path = out / "metrics.jsonl"
     records = _read_records(metrics_path, start) if start else []
     if is_main:
@@ -290,10 +292,16 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals,
             loss = float(metrics["loss"])  # the one host sync per log / checkpoint interval
             grad_norm = float(metrics["grad_norm"])
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                ckpt.wait()
+                saved = ckpt.committed_steps()  # each checksummed and finite when saved
+                where = (f"The last good checkpoint is step {saved[-1]} in {ckpt.directory} "
+                         f"(its arrays were finite and checksummed when saved, and are verified "
+                         f"when restored)" if saved else
+                         "No checkpoint was saved before it (raise the frequency with "
+                         "train.checkpoint_every)")
                 raise TrainingDiverged(
-                    f"loss is {loss} (gradient norm {grad_norm}) at step {step}; stopping. The last good checkpoint is "
-                    f"step {ckpt.latest_step()} in {ckpt.directory} (lower train.lr or raise "
-                    f"train.warmup_steps, then resume)")
+                    f"loss is {loss} (gradient norm {grad_norm}) at step {step}; stopping. "
+                    f"{where}. Lower train.lr or raise train.warmup_steps, then resume")
             if save_now:
                 ckpt.save(step, state, data_state=loader.state())
             if not log_now:

@@ -311,3 +311,39 @@ def test_watchdog_ends_a_stalled_step(tmp_path):
     assert "step 3 made no progress for" in line and "train.step_timeout_s=3" in line
     assert "<string>\", line 10 in step" in (tmp_path / "run" / "watchdog-stacks.txt").read_text()
     assert not (tmp_path / "run" / "jaxtp.lock").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Integrity: a flipped byte is caught, the previous good step is used, and said so
+# ----------------------------------------------------------------------------------------------
+
+def _flip_one_byte(step_dir: Path) -> None:
+    files = sorted((p for p in (step_dir / "state").rglob("*")
+                    if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+    data = bytearray(files[-1].read_bytes())
+    data[len(data) // 2] ^= 0x01
+    files[-1].write_bytes(bytes(data))
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(tmp_path, capsys):
+    from jaxtp import config, train
+    from jaxtp.integrity import CorruptCheckpointError
+
+    args = [f"train.out_dir={tmp_path}", "train.checkpoint_every=10", *TINY]
+    train.run(config.load("tiny", ["train.steps=20", *args]))
+    _flip_one_byte(tmp_path / "checkpoints" / "20")
+    capsys.readouterr()
+    records = train.run(config.load("tiny", ["train.steps=30", *args]))
+    out = capsys.readouterr().out
+    assert "checkpoint" in out and "/20 is corrupt" in out
+    assert "resuming from step 10, the newest checkpoint that verifies" in out
+    assert (tmp_path / "corrupt-checkpoints" / "20").is_dir()
+    assert records[-1]["step"] == 30 and (tmp_path / "checkpoints" / "30").is_dir()
+    # every step corrupt: a clear error, and nothing is moved
+    for step in (10, 20, 30):
+        _flip_one_byte(tmp_path / "checkpoints" / str(step))
+    with pytest.raises(CorruptCheckpointError, match=r"no checkpoint in .* verifies \(steps "
+                                                     r"\[30, 20, 10\]"):
+        train.run(config.load("tiny", ["train.steps=40", *args]))
+    assert (tmp_path / "checkpoints" / "30").is_dir()
+    assert not (tmp_path / "jaxtp.lock").exists()
