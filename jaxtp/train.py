@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtp import data as data_lib
 from jaxtp import engine as engine_lib
-from jaxtp import integrity, optim, run_guard
+from jaxtp import events, integrity, optim, run_guard
 from jaxtp.check_values import check_eval_split, check_run_files
 from jaxtp.config import Config, ConfigError
 from jaxtp.inspect import analytic_flops
@@ -267,6 +267,17 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals,
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     if start and is_main:
         print(f"resuming from step {start} ({ckpt.directory})", flush=True)
+    if is_main:  # the resolved config, in the log and beside the metrics
+        print(events.config_line(cfg), flush=True)
+        events.write_config(cfg, out)
+    if start >= t.steps:
+        if is_main:
+            print(f"nothing to train: the checkpoint is at step {start} and train.steps="
+                  f"{t.steps}; raise train.steps to train further", flush=True)
+        ckpt.close()
+        return records
+    tensorboard = events.EventWriter(out, enabled=t.tensorboard and is_main)
+    profile = events.ProfileWindow(t.profile_steps, out)
 
     step_fn, eval_fn = trainer.step_fn(state), trainer.eval_fn()
     flops_per_step = analytic_flops(eng)
@@ -279,6 +290,7 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals,
     try:
         for step in bar:
             watchdog.beat(step)
+            profile.before_step(step)
             ckpt.raise_save_errors()  # a failed background save stops the run here
             state, metrics = step_fn(state, trainer.put_batch(next(loader)))
             window_steps += 1
@@ -302,8 +314,10 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals,
                 raise TrainingDiverged(
                     f"loss is {loss} (gradient norm {grad_norm}) at step {step}; stopping. "
                     f"{where}. Lower train.lr or raise train.warmup_steps, then resume")
-            if save_now:
+            if save_now:  # the save's time is left out of the window's step time
+                save_start = time.perf_counter()
                 ckpt.save(step, state, data_state=loader.state())
+                window_start += time.perf_counter() - save_start
             if not log_now:
                 continue
             dt = (time.perf_counter() - window_start) / window_steps
@@ -324,6 +338,7 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals,
             if is_main:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+                tensorboard.write(rec)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             mfu=f"{100 * rec['mfu']:.1f}%")
             window_start, window_steps = time.perf_counter(), 0
@@ -342,6 +357,8 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals,
         ckpt.raise_save_errors()
     finally:
         watchdog.beat(t.steps)  # the last save may take a while; it is progress
+        profile.stop()
+        tensorboard.close()
         try:
             ckpt.wait()
             ckpt.close()
@@ -350,9 +367,13 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals,
     if is_main and records and stopped_at is None:
         _plot(records, out / "loss.png")
         last = records[-1]
-        print(f"done: {t.steps} steps, loss {records[0]['loss']:.3f} -> {last['loss']:.3f}, "
-              f"eval loss {last.get('eval_loss', float('nan')):.3f}, "
-              f"{last['tokens_per_s']:.0f} tokens/s, MFU {100 * last['mfu']:.2f}%; metrics in "
+        steady = events.steady_state(records)  # median of the windows without compilation
+        speed = (f"{steady[0]:.0f} tokens/s, MFU {100 * steady[1]:.2f}% (steady state: median "
+                 f"over logged windows, compile, saves and evals excluded)" if steady else
+                 "no steady-state window (every logged window included compilation)")
+        print(f"done: {t.steps} steps ({t.steps - start} in this run), loss "
+              f"{records[0]['loss']:.3f} -> {last['loss']:.3f}, eval loss "
+              f"{last.get('eval_loss', float('nan')):.3f}, {speed}; metrics in "
               f"{metrics_path}, curve in {out / 'loss.png'}")
         if "aux_loss" in last:
             print(f"moe: lm loss {last['lm_loss']:.3f}, router aux loss {last['aux_loss']:.4f}, "

@@ -347,3 +347,30 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
         train.run(config.load("tiny", ["train.steps=40", *args]))
     assert (tmp_path / "checkpoints" / "30").is_dir()
     assert not (tmp_path / "jaxtp.lock").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Observability: TensorBoard scalars, a profiler window, config.json, an honest summary
+# ----------------------------------------------------------------------------------------------
+
+def test_tensorboard_profile_config_and_summary(tmp_path, capsys):
+    from jaxtp import config, train
+
+    cfg = config.load("tiny", [f"train.out_dir={tmp_path}", "train.steps=10", "train.log_every=5",
+                               "train.eval_every=10", "train.eval_batches=1",
+                               "train.profile_steps=3:5"])
+    train.run(cfg)
+    out = capsys.readouterr().out
+    events = b"".join(p.read_bytes() for p in (tmp_path / "tensorboard").glob("events.out.*"))
+    for tag in (b"train/loss", b"train/tokens_per_s", b"train/mfu", b"train/lr", b"eval/loss"):
+        assert tag in events, tag
+    assert any((tmp_path / "profile").rglob("*.xplane.pb"))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["train"]["steps"] == 10 and saved["train"]["profile_steps"] == "3:5"
+    assert out.startswith("config: {")
+    assert "(steady state: median over logged windows" in out
+    cfg = config.load("tiny", [f"train.out_dir={tmp_path}", "train.steps=5",
+                               "train.tensorboard=false"])
+    train.run(cfg)
+    assert "nothing to train: the checkpoint is at step 10 and train.steps=5" in \
+        capsys.readouterr().out
