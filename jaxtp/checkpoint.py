@@ -12,12 +12,17 @@ anywhere. The one shape that depends on the mesh is the vocabulary dim of the em
 head (and their Adam moments), padded to a multiple of ``vocab_pad_multiple x TP degree`` as in
 Megatron-LM (Shoeybi et al. 2019): those rows past ``vocab_size`` are truncated or zero-padded,
 which never changes the loss because padded logits are masked.
+
+Every array's checksum is written in ``meta`` with the step and verified when the step is
+restored (:mod:`jaxtp.integrity`); a state holding NaN / Inf is never saved, and a failed
+background save is raised by :meth:`Checkpointer.raise_save_errors` at the next step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
+from jaxtp import integrity
 from jaxtp.config import Config, ConfigError, ModelConfig
 
 # Bumped when the layout of the items changes; restore refuses a format it does not know.
@@ -56,6 +62,23 @@ def _tensor_parallel_degree(tree) -> int:
     return 1
 
 
+class CheckpointSaveError(RuntimeError):
+    """An asynchronous save failed (disk full, permissions); the earlier steps are intact."""
+
+
+def _root_cause(e: BaseException) -> str:
+    """``Type: first line`` of the innermost cause (orbax wraps tensorstore's informative error
+    in generic ones)."""
+    root = e
+    while root.__cause__ is not None or root.__context__ is not None:
+        root = root.__cause__ or root.__context__
+    detail = (str(root).strip().splitlines() or [""])[0]
+    errno = re.search(r"([^:\]]+) \[os_error_code='(\d+)'\]", detail)
+    if errno:  # tensorstore's OS errors: the reason is at the end of a long path
+        return f"{errno.group(1).strip()}, errno {errno.group(2)}"
+    return f"{type(root).__name__}: {detail[:300]}"
+
+
 class Checkpointer:
     """Save / restore :class:`~jaxtp.train.TrainState` plus the data-loader state under
     ``directory``, keeping the last ``keep`` steps. Call :meth:`close` (or :meth:`wait`) before the
@@ -80,6 +103,7 @@ class Checkpointer:
         # Opened lazily for a directory that does not exist yet, so that only a save creates it
         # (a mistyped restore path is reported, not silently created).
         self._manager: ocp.CheckpointManager | None = None
+        self._pending = False  # a save was started and its outcome not yet checked
         if self.directory.exists():
             self._open()
 
@@ -117,13 +141,53 @@ class Checkpointer:
             state = self._layer_order(state)
         flat, _ = _flatten(state)
         tp = _tensor_parallel_degree(state)
+        vocab, padded = self.cfg.model.vocab_size, self.cfg.model.padded_vocab_size(tp)
+        vocab_dims = integrity.vocab_dims(flat, padded, vocab)
+        checksums, finite = integrity.fingerprint(flat, vocab_dims, vocab)
+        if not finite:
+            raise CheckpointSaveError(f"refusing to save step {step}: the train state holds "
+                                      f"NaN or Inf; the saved steps {self.committed_steps()} "
+                                      f"are kept")
         meta = {"format": FORMAT_VERSION, "model": dataclasses.asdict(self.cfg.model),
-                "tensor_parallel": tp, "padded_vocab": self.cfg.model.padded_vocab_size(tp),
-                "params_only": params_only}
+                "tensor_parallel": tp, "padded_vocab": padded, "checksums": checksums,
+                "checksum_vocab_dims": vocab_dims, "params_only": params_only}
+        self.raise_save_errors()  # orbax would raise the previous save's error from save()
         manager.save(step, force=force, args=ocp.args.Composite(
             state=ocp.args.StandardSave(flat),
             data=ocp.args.JsonSave(dict(data_state)),
             meta=ocp.args.JsonSave(meta)))
+        self._pending = True
+
+    def raise_save_errors(self) -> None:
+        """Raise :class:`CheckpointSaveError` (one line) if a background save has failed since
+        the last call: a full disk or a permission error stops the run at the next step, not
+        after many more steps whose checkpoints cannot be written."""
+        if self._manager is None:
+            return
+        try:
+            self._manager.check_for_errors()
+            # orbax's finalize thread takes a failed write's error; joining it (instant once it
+            # is done) raises it here
+            if self._pending and not self._manager.is_saving_in_progress():
+                self._pending = False
+                self._manager.wait_until_finished()
+        except Exception as e:
+            self._pending = False
+            raise CheckpointSaveError(
+                f"saving a checkpoint in {self.directory} failed in the background "
+                f"({_root_cause(e)}); the committed steps {self.committed_steps()} are intact. "
+                f"Free space or fix permissions, then run the same command to resume") from None
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose directory is in place (renamed from its temporary name)."""
+        if not self.directory.exists():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+
+    def reload(self) -> None:
+        """Re-read the steps on disk (after steps were moved away)."""
+        if self._manager is not None:
+            self._manager.reload()
 
     def wait(self) -> None:
         """Block until every pending asynchronous save is committed (renamed into place)."""
@@ -155,6 +219,8 @@ class Checkpointer:
         target, treedef = _flatten(like)
         with self._reading(step):
             saved = manager.item_metadata(step)["state"]
+            if saved is None:  # its _METADATA (the saved tree's shapes) is gone
+                raise FileNotFoundError(f"{where / 'state' / '_METADATA'} is missing")
         saved = dict(saved.tree if hasattr(saved, "tree") else saved)
         resized = self._check_shapes(saved, target, meta, where)
 
@@ -168,6 +234,7 @@ class Checkpointer:
                 data=ocp.args.JsonRestore()))
             if not isinstance(restored["data"], dict):  # without it the resume is not exact
                 raise FileNotFoundError(f"{where / 'data'} is missing")
+        integrity.verify(restored["state"], meta, where)
         state = jax.tree_util.tree_unflatten(treedef, [restored["state"][k] for k in target])
         if self._layer_order is not None:
             state = self._layer_order(state, inverse=True)
@@ -240,14 +307,9 @@ class Checkpointer:
             earlier = [s for s in self.all_steps() if s < step]
             hint = (f"restore an earlier step ({', '.join(map(str, earlier))})" if earlier
                     else "start from scratch")
-            root = e  # orbax wraps the informative tensorstore error in generic ones
-            while root.__cause__ is not None or root.__context__ is not None:
-                root = root.__cause__ or root.__context__
-            detail = (str(root).strip().splitlines() or [""])[0][:300]
-            raise ConfigError(
+            raise integrity.CorruptCheckpointError(
                 f"checkpoint step {step} in {self.directory} is incomplete or corrupt "
-                f"({type(root).__name__}: {detail}); delete {self.directory / str(step)} and "
-                f"{hint}") from e
+                f"({_root_cause(e)}); delete {self.directory / str(step)} and {hint}") from e
 
     def _check_model(self, meta: dict, where: Path) -> None:
         if meta.get("format") != FORMAT_VERSION:

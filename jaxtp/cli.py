@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from jaxtp import distributed
+from jaxtp import check_values, distributed
 from jaxtp.config import PRESETS, ConfigError, load
 from jaxtp.train import TrainingDiverged
 
@@ -105,7 +105,9 @@ def _use_devices(n: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        check_values.check_devices(args.devices)
         if args.verb == "plan":
+            check_values.check_hardware_file(args.hardware_file)
             from jaxtp import plan_cli
 
             print(plan_cli.run_cli(config_name=args.config, n_devices=args.devices,
@@ -138,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.verb == "train":
             from jaxtp import train
+            from jaxtp.checkpoint import CheckpointSaveError
 
-            train.run(cfg)
+            try:
+                train.run(cfg)
+            except CheckpointSaveError as e:  # disk full, permissions: the older steps are kept
+                print(f"jaxtp: error: {e}", file=sys.stderr)
+                return 4
             return 0
     except ConfigError as e:
         print(f"jaxtp: error: {e}", file=sys.stderr)

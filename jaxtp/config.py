@@ -14,6 +14,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+from jaxtp.check_values import validate_settings
+from jaxtp.errors import ConfigError
+
 Mode = Literal["gspmd", "explicit"]
 Activation = Literal["swiglu", "gelu"]
 Remat = Literal["none", "full", "selective", "dots_saveable"]
@@ -23,8 +26,6 @@ ContextLayout = Literal["zigzag", "contiguous"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 
 
-class ConfigError(ValueError):
-    """A configuration that jaxtp refuses to run; the message names the constraint and the fix."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,12 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     out_dir: str = "runs/default"
+    # Operations (jaxtp/run_guard.py, jaxtp/events.py): a step that makes no progress for this
+    # long stops the run with an error (a stuck peer must not hang a job forever); TensorBoard
+    # event files beside metrics.jsonl; "START:END" traces steps START .. END-1 with jax.profiler.
+    step_timeout_s: float = 1800.0
+    tensorboard: bool = True
+    profile_steps: str = ""
 
 
 @dataclass(frozen=True)
@@ -344,9 +351,11 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
 
 
 def load(name: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """The preset ``name`` with ``overrides`` applied, checked for model-level consistency."""
+    """The preset ``name`` with ``overrides`` applied, checked for model-level consistency and
+    train / data value ranges (:func:`jaxtp.check_values.validate_settings`)."""
     cfg = apply_overrides(get_preset(name), overrides)
     validate_model(cfg.model)
+    validate_settings(cfg)
     return cfg
 
 

@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtp import data as data_lib
 from jaxtp import engine as engine_lib
-from jaxtp import optim
+from jaxtp import events, integrity, optim, run_guard
+from jaxtp.check_values import check_eval_split, check_run_files
 from jaxtp.config import Config, ConfigError, write_run_config
 from jaxtp.flops import model_flops, peak_flops
 
@@ -171,28 +172,6 @@ def _moe_record(metrics: dict) -> dict:
     return rec
 
 
-def _plot(records: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if train:
-        ax.plot(*zip(*train), label="train")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 class TrainingDiverged(RuntimeError):
     """The loss became NaN / Inf; the last good checkpoint is kept."""
 
@@ -216,50 +195,87 @@ def run(cfg: Config, devices=None, *, trainer: Trainer | None = None) -> list[di
     """Train to ``cfg.train.steps``, resuming from the latest checkpoint in ``train.out_dir``.
 
     Returns the metric records of the whole run (earlier segments included), as written to
-    ``metrics.jsonl``.
+    ``metrics.jsonl``. The run holds ``<out_dir>/jaxtp.lock`` (one trainer per directory); SIGTERM
+    or SIGINT saves a checkpoint at the current step and returns; a step that makes no progress
+    for ``train.step_timeout_s`` ends the process (:mod:`jaxtp.run_guard`).
     """
+    check_run_files(cfg)  # data, tokenizer and out_dir: one-line errors before any compile
+    out = Path(cfg.train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (run_guard.RunLock(out, enabled=jax.process_index() == 0) as lock,
+          run_guard.StopSignals(jax.process_count()) as stop,
+          run_guard.Watchdog(cfg.train.step_timeout_s, stacks_path=out / "watchdog-stacks.txt",
+                             on_timeout=lock.release) as watchdog,
+          run_guard.brief_background_errors()):
+        return _train(cfg, devices, stop=stop, watchdog=watchdog, trainer=trainer)
+
+
+def _initial_state(trainer: Trainer, ckpt, loader, *, log: bool) -> tuple[TrainState, int]:
+    """``(state, start step)``: the newest checkpoint that verifies (corrupt newer ones set
+    aside, :func:`jaxtp.integrity.restore_latest_good`), with the loader restored; a saved model
+    (params only: :meth:`jaxtp.Model.save`) with a fresh optimizer at step 0; else a new
+    state."""
+    def say(line):
+        if log:
+            print(line, flush=True)
+
+    latest = ckpt.latest_step()
+    if latest is not None and ckpt.is_params_only(latest):
+        params = ckpt.restore_params(latest, like=trainer.engine.abstract_inputs()[0])
+        say(f"starting from the model in {ckpt.directory / str(latest)} (fresh optimizer, "
+            f"step 0)")
+        return trainer.init_state(params), 0
+    good = integrity.restore_latest_good(ckpt, trainer.abstract_state(), log=say)
+    if good is None:
+        return trainer.init_state(), 0
+    _, state, data_state = good
+    loader.restore(data_state)
+    return state, int(state.step)
+
+
+def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_guard.Watchdog,
+           trainer: Trainer | None = None) -> list[dict]:
     from tqdm import tqdm
 
     from jaxtp.checkpoint import Checkpointer
 
     t = cfg.train
-    trainer = trainer or Trainer(cfg, devices)
-    eng = trainer.engine
     tokens = data_lib.load_tokens(cfg.data, vocab_size=cfg.model.vocab_size,
                                   cache_dir=t.out_dir)
     if int(tokens.max()) >= cfg.model.vocab_size:
         raise ConfigError(f"the corpus has token id {int(tokens.max())} >= model.vocab_size="
                           f"{cfg.model.vocab_size}")
     train_tokens, eval_tokens = data_lib.train_eval_split(tokens, cfg.data.eval_fraction)
+    check_eval_split(cfg, len(eval_tokens))
+    trainer = trainer or Trainer(cfg, devices)
+    eng = trainer.engine
     loader_args = dict(batch_size=t.batch_size, seq_len=t.seq_len,
                        process_index=jax.process_index(), process_count=jax.process_count())
     loader = data_lib.Loader(train_tokens, seed=t.seed, **loader_args)
     eval_loader = data_lib.Loader(eval_tokens, seed=t.seed + 1, **loader_args)
 
     out = Path(t.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg,
                         layer_order=trainer.engine.natural_layers)
-    latest = ckpt.latest_step()
-    if latest is None:
-        state = trainer.init_state()
-        start = 0
-    elif ckpt.is_params_only(latest):  # a saved model (jaxtp.Model.save): fine-tune it
-        params = ckpt.restore_params(latest, like=eng.layout.abstract_params_sharded())
-        state, start = trainer.init_state(params), 0
-    else:
-        state, data_state = ckpt.restore(latest, like=trainer.abstract_state())
-        loader.restore(data_state)
-        start = int(state.step)
-    if jax.process_index() == 0:
-        write_run_config(cfg, out)
     is_main = jax.process_index() == 0
+    state, start = _initial_state(trainer, ckpt, loader, log=is_main)
     metrics_path = out / "metrics.jsonl"
     records = _read_records(metrics_path, start) if start else []
     if is_main:
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     if start and is_main:
         print(f"resuming from step {start} ({ckpt.directory})", flush=True)
+    if is_main:  # the resolved config, in the log and beside the metrics
+        print(events.config_line(cfg), flush=True)
+        write_run_config(cfg, out)
+    if start >= t.steps:
+        if is_main:
+            print(f"nothing to train: the checkpoint is at step {start} and train.steps="
+                  f"{t.steps}; raise train.steps to train further", flush=True)
+        ckpt.close()
+        return records
+    tensorboard = events.EventWriter(out, enabled=t.tensorboard and is_main)
+    profile = events.ProfileWindow(t.profile_steps, out)
 
     step_fn, eval_fn = trainer.step_fn(state), trainer.eval_fn()
     flops_per_step = model_flops(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len)
@@ -268,10 +284,17 @@ def run(cfg: Config, devices=None, *, trainer: Trainer | None = None) -> list[di
     bar = tqdm(range(start + 1, t.steps + 1), desc="train", disable=not is_main,
                initial=start, total=t.steps)
     window_start, window_steps, first_window = time.perf_counter(), 0, True
+    stopped_at = None
     try:
         for step in bar:
+            watchdog.beat(step)
+            profile.before_step(step)
+            ckpt.raise_save_errors()  # a failed background save stops the run here
             state, metrics = step_fn(state, trainer.put_batch(next(loader)))
             window_steps += 1
+            if stop.should_stop(step):  # SIGTERM / SIGINT: save this step, then return
+                stopped_at = step
+                break
             log_now = step % t.log_every == 0 or step == t.steps
             save_now = t.checkpoint_every and step % t.checkpoint_every == 0
             if not (log_now or save_now):
@@ -279,12 +302,20 @@ def run(cfg: Config, devices=None, *, trainer: Trainer | None = None) -> list[di
             loss = float(metrics["loss"])  # the one host sync per log / checkpoint interval
             grad_norm = float(metrics["grad_norm"])
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                ckpt.wait()
+                saved = ckpt.committed_steps()  # each checksummed and finite when saved
+                where = (f"The last good checkpoint is step {saved[-1]} in {ckpt.directory} "
+                         f"(its arrays were finite and checksummed when saved, and are verified "
+                         f"when restored)" if saved else
+                         "No checkpoint was saved before it (raise the frequency with "
+                         "train.checkpoint_every)")
                 raise TrainingDiverged(
-                    f"loss is {loss} (gradient norm {grad_norm}) at step {step}; stopping. The last good checkpoint is "
-                    f"step {ckpt.latest_step()} in {ckpt.directory} (lower train.lr or raise "
-                    f"train.warmup_steps, then resume)")
-            if save_now:
+                    f"loss is {loss} (gradient norm {grad_norm}) at step {step}; stopping. "
+                    f"{where}. Lower train.lr or raise train.warmup_steps, then resume")
+            if save_now:  # the save's time is left out of the window's step time
+                save_start = time.perf_counter()
                 ckpt.save(step, state, data_state=loader.state())
+                window_start += time.perf_counter() - save_start
             if not log_now:
                 continue
             dt = (time.perf_counter() - window_start) / window_steps
@@ -305,20 +336,42 @@ def run(cfg: Config, devices=None, *, trainer: Trainer | None = None) -> list[di
             if is_main:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+                tensorboard.write(rec)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             mfu=f"{100 * rec['mfu']:.1f}%")
             window_start, window_steps = time.perf_counter(), 0
-        if start < t.steps and ckpt.latest_step() != t.steps:
+        if stopped_at is not None:
+            ckpt.save(stopped_at, state, data_state=loader.state(), force=True)
+            ckpt.wait()
+            ckpt.raise_save_errors()
+            bar.close()
+            if is_main:
+                print(f"jaxtp: {stop.received} at step {stopped_at} of {t.steps}: saved "
+                      f"checkpoint {ckpt.directory / str(stopped_at)}; run the same command to "
+                      f"resume", flush=True)
+        elif start < t.steps and ckpt.latest_step() != t.steps:
             ckpt.save(t.steps, state, data_state=loader.state(), force=True)
-    finally:
         ckpt.wait()
-        ckpt.close()
-    if is_main and records:
-        _plot(records, out / "loss.png")
+        ckpt.raise_save_errors()
+    finally:
+        watchdog.beat(t.steps)  # the last save may take a while; it is progress
+        profile.stop()
+        tensorboard.close()
+        try:
+            ckpt.wait()
+            ckpt.close()
+        except Exception:  # already reported by raise_save_errors, or by the error in flight
+            pass
+    if is_main and records and stopped_at is None:
+        events.plot_loss(records, out / "loss.png")
         last = records[-1]
-        print(f"done: {t.steps} steps, loss {records[0]['loss']:.3f} -> {last['loss']:.3f}, "
-              f"eval loss {last.get('eval_loss', float('nan')):.3f}, "
-              f"{last['tokens_per_s']:.0f} tokens/s, MFU {100 * last['mfu']:.2f}%; metrics in "
+        steady = events.steady_state(records)  # median of the windows without compilation
+        speed = (f"{steady[0]:.0f} tokens/s, MFU {100 * steady[1]:.2f}% (steady state: median "
+                 f"over logged windows, compile, saves and evals excluded)" if steady else
+                 "no steady-state window (every logged window included compilation)")
+        print(f"done: {t.steps} steps ({t.steps - start} in this run), loss "
+              f"{records[0]['loss']:.3f} -> {last['loss']:.3f}, eval loss "
+              f"{last.get('eval_loss', float('nan')):.3f}, {speed}; metrics in "
               f"{metrics_path}, curve in {out / 'loss.png'}")
         if "aux_loss" in last:
             print(f"moe: lm loss {last['lm_loss']:.3f}, router aux loss {last['aux_loss']:.4f}, "
