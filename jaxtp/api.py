@@ -31,19 +31,13 @@ from flax import nnx
 
 from jaxtp import config as config_lib
 from jaxtp.axes import CONTEXT, MODEL
+from jaxtp.check_values import validate_model
 from jaxtp.checkpoint import Checkpointer
 from jaxtp.config import Config, ConfigError
 from jaxtp.engine import Engine, build
+from jaxtp.run_dir import read_run_config, write_run_config
 from jaxtp.train import Trainer
 from jaxtp.validate import batch_shards, check_sequence
-
-def config(preset: str = "tiny", overrides: Mapping[str, object] | Sequence[str] = ()) -> Config:
-    """The preset ``preset`` with ``overrides`` applied: a mapping ``{"parallel.data": 2}`` or the
-    CLI's ``["parallel.data=2"]``. Unknown keys and bad values are a :class:`ConfigError`."""
-    if isinstance(overrides, Mapping):
-        overrides = [f"{k}={_text(v)}" for k, v in overrides.items()]
-    return config_lib.load(preset, list(overrides))
-
 
 def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
@@ -53,11 +47,11 @@ def run_config(run_dir: str | Path, overrides: Mapping[str, object] | Sequence[s
                ) -> Config:
     """The config a run directory was trained with (its ``config.json``), with ``overrides``
     (e.g. another layout: ``{"parallel.model": 4}``)."""
-    cfg = config_lib.read_run_config(run_dir)
+    cfg = read_run_config(run_dir)
     if isinstance(overrides, Mapping):
         overrides = [f"{k}={_text(v)}" for k, v in overrides.items()]
     cfg = config_lib.apply_overrides(cfg, list(overrides))
-    config_lib.validate_model(cfg.model)
+    validate_model(cfg.model)
     return cfg
 
 
@@ -175,7 +169,7 @@ class Model:
             raise ConfigError(f"{ckpt_dir} already holds checkpoints; save into a new directory")
         cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train,
                                                                        out_dir=str(run_dir)))
-        config_lib.write_run_config(cfg, run_dir)
+        write_run_config(cfg, run_dir)
         ckpt = Checkpointer(ckpt_dir, keep=1, cfg=self.cfg,
                             layer_order=self.layout.natural_layers)
         try:
@@ -198,4 +192,4 @@ def _pad_vocab(params: nnx.State, engine: Engine) -> nnx.State:
     return jax.tree.map(pad, params, engine.layout.abstract_params)
 
 
-__all__ = ["Config", "ConfigError", "Model", "Trainer", "config", "run_config"]
+__all__ = ["Config", "ConfigError", "Model", "Trainer", "run_config"]

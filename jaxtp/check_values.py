@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from jaxtp.errors import ConfigError
 
 if TYPE_CHECKING:  # the config's own module runs these checks at load
-    from jaxtp.config import Config
+    from jaxtp.config import Config, ModelConfig
 
 # (key, lowest, highest, whether the lowest itself is allowed); None = unbounded
 _TRAIN_INT_RANGES = {
@@ -79,6 +79,31 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
         raise ConfigError(f"train.profile_steps={text!r} must look like START:END with "
                           f"1 <= START < END (steps START .. END-1 are traced), e.g. 10:15")
     return first, last
+
+
+def validate_model(m: ModelConfig) -> None:
+    """The model's own rules (no mesh): positive sizes, GQA grouping, RoPE's even head dim,
+    whole MoE groups."""
+    positive = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
+                "vocab_pad_multiple"]
+    for name in positive:
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of "
+                          f"model.n_kv_heads={m.n_kv_heads} (grouped-query attention)")
+    if not m.head_dim and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads="
+                          f"{m.n_heads}; set model.head_dim explicitly or change n_heads")
+    if m.resolved_head_dim % 2:
+        raise ConfigError(f"head_dim={m.resolved_head_dim} must be even for RoPE")
+    if m.n_experts < 0:
+        raise ConfigError(f"model.n_experts={m.n_experts} must be >= 0 (0 = dense, no experts)")
+    if m.n_experts and m.moe_every >= 1 and m.n_layers % m.moe_every:
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} is not divisible by model.moe_every={m.moe_every}: the "
+            f"layer scan runs groups of moe_every layers (moe_every - 1 dense, then one MoE); use "
+            f"an n_layers that is a multiple of {m.moe_every} or change model.moe_every")
 
 
 def validate_settings(cfg: Config) -> None:

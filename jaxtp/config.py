@@ -9,12 +9,13 @@ field names are public interface and stay stable.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
-from jaxtp.check_values import validate_settings
+from jaxtp.check_values import validate_model, validate_settings
 from jaxtp.errors import ConfigError
 
 Mode = Literal["gspmd", "explicit"]
@@ -359,77 +360,25 @@ def load(name: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Con
     return cfg
 
 
-def validate_model(m: ModelConfig) -> None:
-    positive = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
-                "vocab_pad_multiple"]
-    for name in positive:
-        if getattr(m, name) <= 0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of "
-                          f"model.n_kv_heads={m.n_kv_heads} (grouped-query attention)")
-    if not m.head_dim and m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads="
-                          f"{m.n_heads}; set model.head_dim explicitly or change n_heads")
-    if m.resolved_head_dim % 2:
-        raise ConfigError(f"head_dim={m.resolved_head_dim} must be even for RoPE")
-    if m.n_experts < 0:
-        raise ConfigError(f"model.n_experts={m.n_experts} must be >= 0 (0 = dense, no experts)")
-    if m.n_experts and m.moe_every >= 1 and m.n_layers % m.moe_every:
-        raise ConfigError(
-            f"model.n_layers={m.n_layers} is not divisible by model.moe_every={m.moe_every}: the "
-            f"layer scan runs groups of moe_every layers (moe_every - 1 dense, then one MoE); use "
-            f"an n_layers that is a multiple of {m.moe_every} or change model.moe_every")
-
-
 # ----------------------------------------------------------------------------------------------
-# A resolved config as JSON (the run directory's config.json)
+# jaxtp.config(preset, overrides): this module is callable
 # ----------------------------------------------------------------------------------------------
 
-def to_dict(cfg: Config) -> dict:
-    """``{"model": {...}, "parallel": {...}, "train": {...}, "data": {...}}``."""
-    return dataclasses.asdict(cfg)
+def configure(preset: str = "tiny", overrides=()) -> Config:
+    """The preset with ``overrides`` applied: a mapping ``{"parallel.data": 2}`` or the CLI's
+    ``["parallel.data=2"]``; checked as :func:`load` checks. ``jaxtp.config(...)`` calls this."""
+    if isinstance(overrides, typing.Mapping):
+        overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                     for k, v in overrides.items()]
+    return load(preset, list(overrides))
 
 
-def from_dict(d: dict) -> Config:
-    """Inverse of :func:`to_dict`; a field this jaxtp does not know is an error, a missing one
-    takes its default."""
-    sections = {}
-    for f in dataclasses.fields(Config):
-        cls = f.type if isinstance(f.type, type) else type(getattr(Config(), f.name))
-        values = dict(d.get(f.name, {}))
-        known = {x.name for x in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"config has unknown {f.name} fields {unknown}; valid fields are "
-                              f"{sorted(known)}")
-        sections[f.name] = cls(**values)
-    return Config(**sections)
+class _CallableModule(types.ModuleType):
+    """``jaxtp.config`` is both this module (``config.load``, ``config.ModelConfig``) and the
+    public API's function: ``jaxtp.config("tiny", {"parallel.model": 4})``."""
+
+    def __call__(self, preset: str = "tiny", overrides=()) -> Config:
+        return configure(preset, overrides)
 
 
-CONFIG_FILE = "config.json"  # the resolved config of a run, in its directory
-
-
-def write_run_config(cfg: Config, run_dir) -> None:
-    """Write ``cfg`` as ``<run_dir>/config.json``."""
-    import json
-    from pathlib import Path
-
-    path = Path(run_dir) / CONFIG_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
-
-
-def read_run_config(run_dir) -> Config:
-    """The config in ``<run_dir>/config.json``; a missing file is a :class:`ConfigError`."""
-    import json
-    from pathlib import Path
-
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise ConfigError(f"{path} not found: {run_dir} is not a jaxtp run directory (train "
-                          f"with jaxtp train train.out_dir={run_dir}, or save a model there)")
-    try:
-        return from_dict(json.loads(path.read_text()))
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{path} is not a valid jaxtp config: {e}") from None
+sys.modules[__name__].__class__ = _CallableModule

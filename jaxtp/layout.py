@@ -21,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtp import layer_order
 from jaxtp.axes import CONTEXT, PIPELINE
-from jaxtp.config import Config, validate_model
+from jaxtp.check_values import validate_model
+from jaxtp.config import Config
 from jaxtp.layers.ring_attention import positions_for_layout, to_layout
 from jaxtp.mesh import build_mesh, mesh_shape
 from jaxtp.model import Transformer

@@ -28,7 +28,8 @@ from jaxtp import data as data_lib
 from jaxtp import engine as engine_lib
 from jaxtp import events, integrity, optim, run_guard
 from jaxtp.check_values import check_eval_split, check_run_files
-from jaxtp.config import Config, ConfigError, write_run_config
+from jaxtp.config import Config, ConfigError
+from jaxtp.run_dir import write_run_config
 from jaxtp.flops import model_flops, peak_flops
 
 @dataclass

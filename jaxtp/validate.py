@@ -8,7 +8,7 @@ heads / KV heads / MLP width divisible by the tensor-parallel degree, experts by
 expert-parallel degree, the batch by its shards and micro-batches, the sequence by its
 context / sequence-parallel splits, layers by pipeline stages, micro-batches by what the schedule
 needs. Rules about one model's own fields (no mesh) run at config load
-(:func:`jaxtp.config.validate_model`) and again here.
+(:func:`jaxtp.check_values.validate_model`) and again here.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from jaxtp.axes import CONTEXT, EXPERT, MODEL, PIPELINE
-from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, \
-    validate_model
+from jaxtp.check_values import validate_model
+from jaxtp.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from jaxtp.schedules import ScheduleError, check_pipeline
 
 CONTEXT_LAYOUTS = ("zigzag", "contiguous")
