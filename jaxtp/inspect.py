@@ -194,7 +194,10 @@ def report(target: Engine | Config, step: str = "grad") -> Report:
     shape = mesh_shape(engine.mesh)
     # a pipeline rank runs one pass per tick: count its stages' collectives as it runs them
     # (the view of pipeline rank 0)
-    branches = pipelined_step.branch_weights(engine.layout) if shape["pipeline"] > 1 else None
+    branches = None
+    if shape["pipeline"] > 1:
+        branches = (pipelined_step.forward_branch_weights(engine.layout) if step == "loss"
+                    else pipelined_step.branch_weights(engine.layout))
     ops = hlo.collectives(text, shape, branches)
     mem = compiled.memory_analysis()
     params = local_param_bytes(engine)

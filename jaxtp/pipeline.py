@@ -177,8 +177,9 @@ def _sender(axis: str, split: tuple[str, int] | None) -> Callable:
 
 
 class PipelineGrads(NamedTuple):
-    """Gradients when the pipeline also owns the embedding (stage 0) and the loss head (last
-    stage); ``embed`` / ``head`` are ``None`` when not given, and summed over ``axis``."""
+    """This rank's gradients: its stage chunks', and when the pipeline also owns them the
+    embedding's (stage 0) and the loss head's (last stage), summed over the pipeline axis
+    (``None`` when not given)."""
 
     stages: Any
     embed: Any
@@ -189,9 +190,10 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
                             microbatches: tuple[jax.Array, jax.Array], *,
                             schedule: Schedule, axis: str = PIPELINE,
                             embed_fn: Callable | None = None, embed_params=None,
-                            head_params=None, send_split: tuple[str, int] | None = None):
-    """``(loss, grads)`` of the ``p * v``-stage model run by ``schedule``, per rank, inside
-    ``jax.shard_map`` over ``axis``.
+                            head_params=None, send_split: tuple[str, int] | None = None
+                            ) -> tuple[jax.Array, PipelineGrads]:
+    """``(loss, PipelineGrads)`` of the ``p * v``-stage model run by ``schedule``, per rank,
+    inside ``jax.shard_map`` over ``axis``.
 
     - ``stage_params``: this rank's chunks, a pytree whose leaves are ``[v, ...]`` (``v = 1``
       unless interleaved); :func:`stages_to_ranks` lays out a stage-stacked model for
@@ -204,7 +206,6 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
       stage only (every rank may hold them; nothing is scattered over ``axis`` yet). With
       ``embed_fn``, ``inputs`` are raw (e.g. token ids ``[m, b, s]``) and stage 0 runs
       ``embed_fn(embed_params, inputs[i]) -> x [b, s, h]`` first.
-
     - ``send_split = (axis_name, dim)``: activations that are replicated over ``axis_name``
       (e.g. ``model`` under plain TP) are sent as each rank's ``1/n`` slice along ``dim`` and
       all-gathered over ``axis_name`` after the transfer (Narayanan et al. 2021, sec. 4.1,
@@ -213,17 +214,22 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
       automatic (GSPMD): sharding constraints, and XLA slices and gathers.
 
     Returns the mean loss over the ``m`` micro-batches (summed over ``axis``, so every rank has
-    it) and this rank's gradient, shaped like ``stage_params`` — or, when ``embed_fn`` or
-    ``head_params`` is given, a :class:`PipelineGrads` whose ``embed`` / ``head`` gradients are
+    it) and this rank's gradients: ``stages`` shaped like ``stage_params``, ``embed`` / ``head``
     summed over ``axis`` (one all-reduce per step; only rank 0 / rank ``p - 1`` contribute).
     All are this rank's *local* values over the other mesh axes: parameters are cast to vary over
     the batch axes of the inputs up front, so no gradient sync happens per tick; reduce over
     ``data`` once, outside (``collectives.sync_grads`` / ``pmean``). Equal to
     ``jax.value_and_grad`` of running all stages in order on each micro-batch and averaging.
     """
+    _check_inputs(schedule, microbatches, stage_params, axis=axis, embed_fn=embed_fn,
+                  embed_params=embed_params)
+    run = _Run(schedule, stage_fn, loss_fn, embed_fn, microbatches, axis=axis)
+    return run(stage_params, embed_params, head_params, send_split)
+
+
+def _check_inputs(s: Schedule, microbatches, stage_params, *, axis: str, embed_fn,
+                  embed_params) -> None:
     inputs, targets = microbatches
-    s = schedule
-    prog = compile_schedule(s)
     if (embed_fn is None) != (embed_params is None):
         raise ValueError("embed_fn and embed_params go together: pass both or neither")
     if inputs.shape[0] != s.m or targets.shape[0] != s.m:
@@ -238,122 +244,144 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
         raise ScheduleError(f"stage_params leaves must have a leading chunk dim v={s.v} per rank; "
                             f"got shapes {bad[:3]} (lay them out with stages_to_ranks)")
 
-    # Activations, cotangents and the loss vary over `axis` and the batch axes; parameters also,
-    # so each tick's parameter cotangent stays local (no psum inside the loop).
-    batch_vma = varying_axes(inputs) | varying_axes(targets) | {axis}
-    inputs, targets = vary_over(inputs, batch_vma), vary_over(targets, batch_vma)
 
-    def local(tree):
-        return jax.tree.map(lambda a: vary_over(a, batch_vma), tree)
+def _zeros(shape, dtype, vma):
+    return vary_over(jnp.zeros(shape, dtype), vma)
 
-    params, eparams, hparams = local(stage_params), local(embed_params), local(head_params)
-    has_head, scale = head_params is not None, 1.0 / s.m
 
-    def embed(ep, raw):
-        return raw if embed_fn is None else embed_fn(ep, raw)
+def _zeros_like(tree):
+    return jax.tree.map(lambda a: _zeros(a.shape, a.dtype, varying_axes(a)), tree)
 
-    # what a stage input and the loss look like, their varying axes included (e.g. `model` when
-    # the stream is sequence-sharded, the replica axes of the parameters): traced once for the
-    # types, the values are dead code
-    x0 = embed(eparams, inputs[0])
-    x_shape, x_dtype, act_vma = x0.shape, x0.dtype, batch_vma | varying_axes(x0)
 
-    def zeros(shape, dtype, vma):
-        return vary_over(jnp.zeros(shape, dtype), vma)
+def _add(acc, d):
+    return jax.tree.map(jnp.add, acc, d)
 
-    def zeros_like(tree):
-        return jax.tree.map(lambda a: zeros(a.shape, a.dtype, varying_axes(a)), tree)
 
-    def chunk_of(c):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False),
-                            params)
+def _add_chunk(grads, c, d):
+    """``grads[c] += d`` on every leaf (``c`` traced)."""
+    return jax.tree.map(lambda g, x: jax.lax.dynamic_update_index_in_dim(
+        g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x, c, 0), grads, d)
 
-    def stage(pc, x):
-        y = stage_fn(pc, x)
+
+def _read(buf, slot):
+    return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(slot, 0), 0, keepdims=False)
+
+
+def _write(buf, slot, value):  # slot -1: keep the buffer as it is
+    i = jnp.maximum(slot, 0)
+    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, value, _read(buf, i)),
+                                               i, 0)
+
+
+class _Run:
+    """One rank's execution of a :class:`Program`: the passes as ``lax.switch`` branches and the
+    tick that runs one of them and exchanges with the neighbours."""
+
+    def __init__(self, schedule: Schedule, stage_fn, loss_fn, embed_fn, microbatches, *,
+                 axis: str):
+        self.s, self.prog, self.axis = schedule, compile_schedule(schedule), axis
+        self.stage_fn, self.loss_fn, self.embed_fn = stage_fn, loss_fn, embed_fn
+        # Activations, cotangents and the loss vary over `axis` and the batch axes; parameters
+        # also, so each tick's parameter cotangent stays local (no psum inside the loop).
+        inputs, targets = microbatches
+        self.batch_vma = varying_axes(inputs) | varying_axes(targets) | {axis}
+        self.inputs = vary_over(inputs, self.batch_vma)
+        self.targets = vary_over(targets, self.batch_vma)
+
+    def _local(self, tree):
+        return jax.tree.map(lambda a: vary_over(a, self.batch_vma), tree)
+
+    def __call__(self, stage_params, embed_params, head_params, send_split):
+        self.params = self._local(stage_params)
+        self.eparams, self.hparams = self._local(embed_params), self._local(head_params)
+        self.has_head = head_params is not None
+        self._trace_types()
+        rank = jax.lax.axis_index(self.axis)
+        rows = jnp.take(jnp.asarray(self.prog.rows), rank, axis=1)       # [ticks, 7]: this rank's
+        carry = (_zeros((self.prog.act_slots, *self.x_shape), self.x_dtype, self.act_vma),
+                 _zeros((self.prog.grad_slots, *self.x_shape), self.x_dtype, self.act_vma),
+                 (_zeros_like(self.params), _zeros_like(self.eparams),
+                  _zeros_like(self.hparams)), self.zero_loss)
+        self.send = _sender(self.axis, send_split)
+        (_, _, (grads, egrads, hgrads), loss), _ = jax.lax.scan(self._tick, carry, rows)
+        total = (lambda t: None if t is None
+                 else jax.tree.map(lambda a: jax.lax.psum(a, self.axis), t))
+        return jax.lax.psum(loss, self.axis), PipelineGrads(grads, total(egrads), total(hgrads))
+
+    def _trace_types(self) -> None:
+        """What a stage input and the loss look like, their varying axes included (e.g. `model`
+        when the stream is sequence-sharded, the replica axes of the parameters): traced once
+        for the types; the values are dead code."""
+        x0 = self._embed(self.eparams, self.inputs[0])
+        self.x_shape, self.x_dtype = x0.shape, x0.dtype
+        self.act_vma = self.batch_vma | varying_axes(x0)
+        y0 = self._stage(jax.tree.map(lambda a: a[0], self.params), vary_over(x0, self.act_vma))
+        l0 = self._loss(self.hparams, y0, self.targets[0])
+        self.loss_vma = self.batch_vma | varying_axes(l0)
+        self.nothing = _zeros(self.x_shape, self.x_dtype, self.act_vma)
+        self.zero_loss = _zeros((), jnp.float32, self.loss_vma)
+
+    def _embed(self, ep, raw):
+        return raw if self.embed_fn is None else self.embed_fn(ep, raw)
+
+    def _stage(self, pc, x):
+        y = self.stage_fn(pc, x)
         if y.shape != x.shape or y.dtype != x.dtype:
             raise ValueError(f"stage_fn must map activations to the same shape and dtype: "
                              f"{x.shape} {x.dtype} -> {y.shape} {y.dtype}")
         return y
 
-    y0 = stage(jax.tree.map(lambda a: a[0], params), vary_over(x0, act_vma))
-    l0 = loss_fn(hparams, y0, targets[0]) if has_head else loss_fn(y0, targets[0])
-    loss_vma = batch_vma | varying_axes(l0)
+    def _loss(self, hp, y, tgt):
+        return self.loss_fn(hp, y, tgt) if self.has_head else self.loss_fn(y, tgt)
 
-    def add_chunk(grads, c, dp):
-        return jax.tree.map(lambda g, d: jax.lax.dynamic_update_index_in_dim(
-            g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + d, c, 0), grads, dp)
+    def _chunk(self, c):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False),
+                            self.params)
 
-    def add(acc, d):
-        return jax.tree.map(jnp.add, acc, d)
-
-    nothing = zeros(x_shape, x_dtype, act_vma)
-    zero_loss = zeros((), jnp.float32, loss_vma)
-
-    def branch(kind: str, first: bool, last: bool):
-        """One pass: (chunk, raw input, stage input, output cotangent, target, grads) -> (y to
-        send on, dx to send back, loss, grads). ``B`` recomputes the stage forward."""
+    def _pass(self, kind: str, first: bool, last: bool):
+        """One branch: ``(chunk, raw input, stage input, output cotangent, target, grads) ->
+        (y to send on, dx to send back, loss, grads)``. ``B`` recomputes the stage forward."""
         def run(pc, ep, hp, x, raw, tgt):
-            y = stage(pc, embed(ep, raw) if first else x)
-            if not last:
-                return y
-            return (loss_fn(hp, y, tgt) if has_head else loss_fn(y, tgt)) * scale
+            y = self._stage(pc, self._embed(ep, raw) if first else x)
+            return self._loss(hp, y, tgt) * (1.0 / self.s.m) if last else y
 
-        def fn(c, raw, x, g, tgt, acc):
+        def forward(c, raw, x, g, tgt, acc):
+            out = run(self._chunk(c), self.eparams, self.hparams, x, raw, tgt)
+            if last:
+                loss = vary_over(out.astype(jnp.float32), self.loss_vma)
+                return self.nothing, self.nothing, loss, acc
+            return vary_over(out, self.act_vma), self.nothing, self.zero_loss, acc
+
+        def backward(c, raw, x, g, tgt, acc):
             sg, eg, hg = acc
-            if kind == "F":
-                out = run(chunk_of(c), eparams, hparams, x, raw, tgt)
-                if last:
-                    return nothing, nothing, vary_over(out.astype(jnp.float32), loss_vma), acc
-                return vary_over(out, act_vma), nothing, zero_loss, acc
             out, vjp = jax.vjp(lambda pc, ep, hp, x: run(pc, ep, hp, x, raw, tgt),
-                               chunk_of(c), eparams, hparams, x)
+                               self._chunk(c), self.eparams, self.hparams, x)
             dpc, dep, dhp, dx = vjp(jnp.ones_like(out) if last else g)
-            sg = add_chunk(sg, c, dpc)
-            eg = add(eg, dep) if first and eg is not None else eg
-            hg = add(hg, dhp) if last and hg is not None else hg
-            return nothing, (nothing if first else vary_over(dx, act_vma)), zero_loss, (sg, eg, hg)
-        return fn
+            sg = _add_chunk(sg, c, dpc)
+            eg = _add(eg, dep) if first and eg is not None else eg
+            hg = _add(hg, dhp) if last and hg is not None else hg
+            dx = self.nothing if first else vary_over(dx, self.act_vma)
+            return self.nothing, dx, self.zero_loss, (sg, eg, hg)
+        return forward if kind == "F" else backward
 
-    def idle(c, raw, x, g, tgt, acc):
-        return nothing, nothing, zero_loss, acc
+    def _idle(self, c, raw, x, g, tgt, acc):
+        return self.nothing, self.nothing, self.zero_loss, acc
 
-    branches = [idle] + [branch(*k) for k in prog.passes]
-    n_pairs = s.p if prog.cyclic else s.p - 1
-    fwd_perm = [(r, (r + 1) % s.p) for r in range(n_pairs)]
-    bwd_perm = [((r + 1) % s.p, r) for r in range(n_pairs)]
-
-    def read(buf, slot):
-        return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(slot, 0), 0, keepdims=False)
-
-    def write(buf, slot, value):  # slot -1: keep the buffer as it is
-        i = jnp.maximum(slot, 0)
-        return jax.lax.dynamic_update_index_in_dim(
-            buf, jnp.where(slot >= 0, value, read(buf, i)), i, 0)
-
-    send = _sender(axis, send_split)
-
-    def tick(carry, row):
+    def _tick(self, carry, row):
+        """Run this rank's pass of the tick, then send the forward output to rank ``r + 1`` and
+        the input cotangent to rank ``r - 1`` and store what arrives in its slots."""
         acts, cots, acc, loss = carry                                # acts: [A, b, s, h]
+        p = self.s.p
         mb = row[MICROBATCH]
-        raw = jax.lax.dynamic_index_in_dim(inputs, mb, 0, keepdims=False)   # stage 0's input
-        tgt = jax.lax.dynamic_index_in_dim(targets, mb, 0, keepdims=False)
-        x, g = read(acts, row[ACT_SLOT]), read(cots, row[GRAD_SLOT])      # [b, s, h] each
+        raw = jax.lax.dynamic_index_in_dim(self.inputs, mb, 0, keepdims=False)  # stage 0's
+        tgt = jax.lax.dynamic_index_in_dim(self.targets, mb, 0, keepdims=False)
+        x, g = _read(acts, row[ACT_SLOT]), _read(cots, row[GRAD_SLOT])     # [b, s, h] each
+        branches = [self._idle] + [self._pass(*k) for k in self.prog.passes]
         y, dx, dloss, acc = jax.lax.switch(row[KIND], branches, row[CHUNK], raw, x, g, tgt, acc)
-        if s.p > 1:
-            y = send(y, fwd_perm)                                    # rank r -> r + 1
-            dx = send(dx, bwd_perm)                                  # rank r -> r - 1
-        acts = write(acts, row[RECV_ACT], y)
-        cots = write(cots, row[RECV_GRAD], dx)
+        if p > 1:
+            n_pairs = p if self.prog.cyclic else p - 1
+            y = self.send(y, [(r, (r + 1) % p) for r in range(n_pairs)])       # r -> r + 1
+            dx = self.send(dx, [((r + 1) % p, r) for r in range(n_pairs)])     # r -> r - 1
+        acts = _write(acts, row[RECV_ACT], y)
+        cots = _write(cots, row[RECV_GRAD], dx)
         return (acts, cots, acc, loss + dloss), None
-
-    rank = jax.lax.axis_index(axis)
-    rows = jnp.take(jnp.asarray(prog.rows), rank, axis=1)           # [ticks, 7]: this rank's
-    carry = (zeros((prog.act_slots, *x_shape), x_dtype, act_vma),
-             zeros((prog.grad_slots, *x_shape), x_dtype, act_vma),
-             (zeros_like(params), zeros_like(eparams), zeros_like(hparams)), zero_loss)
-    (_, _, (grads, egrads, hgrads), loss), _ = jax.lax.scan(tick, carry, rows)
-    loss = jax.lax.psum(loss, axis)
-    if embed_fn is None and not has_head:
-        return loss, grads
-    total = (lambda t: None if t is None else jax.tree.map(lambda a: jax.lax.psum(a, axis), t))
-    return loss, PipelineGrads(stages=grads, embed=total(egrads), head=total(hgrads))

@@ -9,10 +9,11 @@ projection and the vocab-parallel loss, as in Megatron-LM; those parameters are 
 output uses of the table add up there). Inside a stage everything else composes unchanged: the
 same layer body, Megatron TP over ``model`` in either execution mode (a stage sends each TP
 rank's ``1/t`` slice of the activations and the next all-gathers them over ``model``: Narayanan
-et al.'s scatter/gather; under sequence parallelism the stream is already sliced), data parallelism, ZeRO 1-3 and FSDP. Not yet: context parallelism (ring attention's
-``ppermute`` s would run inside the schedule's per-tick ``lax.switch``, and XLA:CPU joins a
-collective-permute over all devices, so ranks in different branches would pair the wrong ones)
-and MoE (a stage does not carry router losses); :func:`jaxtp.validate.validate` says so before compile.
+et al.'s scatter/gather; under sequence parallelism the stream is already sliced), data
+parallelism, ZeRO 1-3 and FSDP. Not yet: context parallelism (ring attention's ``ppermute`` s
+would run inside the schedule's per-tick ``lax.switch``, and XLA:CPU joins a collective-permute
+over all devices, so ranks in different branches would pair the wrong ones) and MoE (a stage does
+not carry router losses); :func:`jaxtp.validate.validate` says so before compile.
 
 **Layout.** The blocks' stacked ``layers`` dim is sharded over ``pipeline``, in the order of
 :mod:`jaxtp.layer_order` (rank-major for interleaved pipelines; checkpoints stay in natural order).
@@ -24,11 +25,12 @@ explicit mode), the local batch is split into ``train.microbatches`` micro-batch
 sync runs once, after the last micro-batch. It returns ``(loss, grads, metrics)`` like
 :func:`jaxtp.step.value_and_grad_fn`.
 
-**Forward only** (evaluation, logits): :func:`hidden_fn` runs the ``p * v`` stages in order, one
-per iteration of a scan: every rank applies its chunk for that stage and ``ppermute`` s the result
-to the next rank, which holds the next stage; no schedule, no backward, no stored activations.
-The last stage's output is then made replicated over ``pipeline`` (one all-reduce of ``b x s x h``)
-so every rank computes the same logits or losses.
+**Forward only** (evaluation, logits): :func:`forward_fn` runs the ``p * v`` stages in order, one
+per iteration of a scan: the rank that holds the stage runs it and ``ppermute`` s the result to
+the next rank, which holds the next stage; no schedule, no backward, no stored activations, one
+forward's FLOPs (the ranks take turns: this is for evaluation, not throughput). The last stage's
+output is then made replicated over ``pipeline`` (one all-reduce of ``b x s x h``) so every rank
+computes the same logits or losses.
 """
 
 
@@ -179,27 +181,41 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
 
 
 def _run_stages(layout: Layout, parts: _Parts, params, tokens, rope):
-    """Forward through all ``p * v`` stages in order (see the module docstring); the last
-    stage's output ``[b, s, h]``, replicated over ``pipeline``."""
+    """Forward through all ``p * v`` stages in order (see the module docstring): the rank that
+    holds stage ``k`` runs it (a two-way ``lax.switch``: the others pass their carry through),
+    then sends it on. Returns the last stage's output ``[b, s, h]``, replicated over
+    ``pipeline``."""
     p = layout.degrees[PIPELINE]
     n_stages = p * layout.cfg.parallel.virtual_stages
     chunks = _chunks(layout, params["blocks"])
     rank = jax.lax.axis_index(PIPELINE)
     perm = [(r, (r + 1) % p) for r in range(p)]
 
-    def one_stage(x, k):
-        chunk = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, k // p, 0, False), chunks)
-        y = parts.stage(chunk, x, rope)
-        return jax.lax.ppermute(y, PIPELINE, perm), None
+    def chunk_at(c):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, False), chunks)
 
     # the carry varies like a stage's output (over `pipeline`, and whatever the stage adds)
     x = pipeline.vary_over(parts.embed(params, tokens), (PIPELINE,))
-    y0 = parts.stage(jax.tree.map(lambda a: a[0], chunks), x, rope)
-    x = pipeline.vary_over(x, pipeline.varying_axes(y0))
-    # the last stage's output stays on rank p - 1 (no send after it)
-    x, _ = jax.lax.scan(one_stage, x, jnp.arange(n_stages - 1))
-    y = parts.stage(jax.tree.map(lambda a: a[-1], chunks), x, rope)
-    return jax.lax.psum(jnp.where(rank == (n_stages - 1) % p, y, jnp.zeros_like(y)), PIPELINE)
+    vma = pipeline.varying_axes(parts.stage(chunk_at(0), x, rope))
+    x = pipeline.vary_over(x, vma)
+
+    def one_stage(x, k):
+        def run(x):
+            return pipeline.vary_over(parts.stage(chunk_at(k // p), x, rope), vma)
+        owner = (rank == k % p).astype(jnp.int32)
+        y = jax.lax.switch(owner, [lambda x: x, run], x)
+        return jax.lax.ppermute(y, PIPELINE, perm), None
+
+    x, _ = jax.lax.scan(one_stage, x, jnp.arange(n_stages))
+    # after the last send the output is on rank p * v % p = 0
+    return jax.lax.psum(jnp.where(rank == 0, x, jnp.zeros_like(x)), PIPELINE)
+
+
+def forward_branch_weights(layout: Layout) -> dict[int, tuple[float, ...]]:
+    """How often a rank takes each branch of the forward-only pass's per-stage switch (pass
+    through, run): :data:`jaxtp.hlo.BranchWeights` for the census of the ``loss`` step."""
+    p = layout.degrees[PIPELINE]
+    return {2: (1 - 1 / p, 1 / p)}
 
 
 def forward_fn(layout: Layout, region: Region, head: str) -> Callable:

@@ -55,6 +55,7 @@ def _pipelined(mesh, schedule, stage=stage_fn, param_spec=None):
     over `data` and the gradients are averaged over it once, after the pipeline."""
     def local(w, x, t):
         loss, grads = pl.pipeline_value_and_grad(stage, loss_fn, w, (x, t), schedule=schedule)
+        grads = grads.stages
         return jax.lax.pmean((loss, grads), "data")
     batch, param_spec = P(None, "data"), P("pipeline") if param_spec is None else param_spec
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(param_spec, batch, batch),
