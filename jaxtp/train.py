@@ -30,6 +30,7 @@ from jaxtp import events, integrity, optim, run_guard
 from jaxtp.check_values import check_eval_split, check_run_files
 from jaxtp.config import Config, ConfigError
 from jaxtp.run_dir import write_run_config
+from jaxtp.fit_check import fit_warning
 from jaxtp.flops import model_flops, peak_flops
 
 @dataclass
@@ -278,6 +279,9 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
     tensorboard = events.EventWriter(out, enabled=t.tensorboard and is_main)
     profile = events.ProfileWindow(t.profile_steps, out)
 
+    warning = fit_warning(cfg, eng.degrees, list(eng.mesh.devices.flat))
+    if warning and is_main:  # the planner's prediction, before minutes of compilation
+        print(warning, flush=True)
     step_fn, eval_fn = trainer.step_fn(state), trainer.eval_fn()
     flops_per_step = model_flops(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len)
     peak = peak_flops(list(eng.mesh.devices.flat))

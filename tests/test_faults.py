@@ -377,3 +377,27 @@ def test_tensorboard_profile_config_and_summary(tmp_path, capsys):
     train.run(cfg)
     assert "nothing to train: the checkpoint is at step 10 and train.steps=5" in \
         capsys.readouterr().out
+
+
+def test_a_layout_predicted_not_to_fit_is_warned_about_before_step_1(capsys, tmp_path,
+                                                                     monkeypatch):
+    """The planner's memory prediction is checked before step 1 against the memory the devices
+    report (CPU devices report none: no warning on a simulated mesh unless told a limit)."""
+    import jax
+
+    from jaxtp import fit_check, train
+    from jaxtp.config import load
+
+    cfg = load("tiny", ["train.steps=1", "train.eval_batches=1", "train.checkpoint_every=0",
+                        f"train.out_dir={tmp_path / 'run'}", "train.tensorboard=false",
+                        "parallel.data=8"])
+    need = fit_check.predicted_bytes(cfg, {"data": 8, "fsdp": 1, "pipeline": 1, "model": 1,
+                                           "context": 1, "expert": 1})
+    assert fit_check.fit_warning(cfg, {}, jax.devices()) is None  # CPU: no limit reported
+    monkeypatch.setattr(fit_check, "device_bytes", lambda devices: int(need // 2))
+    train.run(cfg)
+    out = capsys.readouterr().out
+    assert "predicted to need" in out and "will likely run out of memory" in out
+    monkeypatch.setattr(fit_check, "device_bytes", lambda devices: int(need * 2))
+    assert fit_check.fit_warning(cfg, {"data": 8, "fsdp": 1, "pipeline": 1, "model": 1,
+                                       "context": 1, "expert": 1}, jax.devices()) is None
