@@ -5,7 +5,7 @@ For each layout the baseline (on CPU device 0) and jaxtp (on all 8 simulated dev
 and warmed up, then run in interleaved blocks A B A B ... (``--rounds`` pairs of ``--steps`` steps
 each), so that drift in machine load hits both alike; the ratio is taken per pair and its median
 reported. MFU is the analytic model FLOPs (6NT + attention, as ``jaxtp.inspect.analytic_flops``)
-per second over a matmul peak measured in the same run (best of ``jaxtp.train.measure_cpu_peak``
+per second over a matmul peak measured in the same run (best of ``jaxtp.flops.measure_cpu_peak``
 before and after). The 8 simulated devices share the host's cores, so ~1.0x the single-device
 baseline is the realistic ceiling on CPU: this measures jaxtp's overhead, not a parallel speed-up.
 
@@ -39,7 +39,8 @@ from jaxtp import config as config_lib  # noqa: E402
 from jaxtp import engine as engine_lib  # noqa: E402
 from jaxtp.config import ConfigError  # noqa: E402
 from jaxtp.inspect import analytic_flops  # noqa: E402
-from jaxtp.train import Trainer, measure_cpu_peak  # noqa: E402
+from jaxtp.flops import measure_cpu_peak  # noqa: E402
+from jaxtp.train import Trainer  # noqa: E402
 
 # (label, parallel overrides). Anything jaxtp.mesh.validate accepts gets measured.
 LAYOUTS: list[tuple[str, tuple[str, ...]]] = [

@@ -42,7 +42,8 @@ def test_inferred_not_divisible():
     (["parallel.data=2", "parallel.model=4", "model.n_kv_heads=2"],
      "n_kv_heads=2 is not divisible by parallel.model=4"),
     (["parallel.data=8", "train.batch_size=4"], "batch_size=4 is not divisible"),
-    (["parallel.data=8", "train.microbatches=3"], "must split into train.microbatches=3"),
+    (["parallel.data=8", "train.batch_size=16", "train.microbatches=4"],
+     "must split into train.microbatches=4"),
     (["parallel.data=1", "parallel.model=8", "train.batch_size=8"], None),
     (["parallel.data=4", "parallel.pipeline=2", "train.microbatches=1"], "microbatches=1 is fewer"),
 ])
