@@ -12,8 +12,6 @@ over the devices' peak (:func:`jaxtp.flops.peak_flops`).
 from __future__ import annotations
 
 import json
-import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from jaxtp.config import Config, ConfigError
 from jaxtp.run_dir import write_run_config
 from jaxtp.fit_check import fit_warning
 from jaxtp.flops import model_flops, peak_flops
+from jaxtp.loop import Loop, TrainingDiverged  # noqa: F401  (TrainingDiverged: public here)
 
 @dataclass
 class TrainState:
@@ -154,30 +153,6 @@ def check_batch(batch: dict, cfg: Config, *, processes: int = 1) -> None:
             raise ValueError(f"batch[{k!r}] has dtype {v.dtype}; token ids are integers (int32)")
 
 
-MOE_METRICS = ("lm_loss", "aux_loss", "load_balancing_loss", "z_loss", "dropped_fraction",
-               "expert_load")
-
-
-def _moe_record(metrics: dict) -> dict:
-    """The MoE fields of a metrics record (none for a dense model): ``loss`` is the training loss
-    (LM + router losses), ``lm_loss`` the next-token part, ``aux_loss`` the router losses summed
-    over layers, ``dropped_fraction`` the share of token-to-expert assignments over capacity,
-    ``expert_load`` each expert's share of the assignments (averaged over layers) and
-    ``expert_load_max`` its largest entry times n_experts (1 = perfectly balanced)."""
-    rec = {}
-    for k in MOE_METRICS:
-        if k in metrics:
-            v = np.asarray(metrics[k])
-            rec[k] = [float(x) for x in v] if v.ndim else float(v)
-    if "expert_load" in rec:
-        rec["expert_load_max"] = max(rec["expert_load"]) * len(rec["expert_load"])
-    return rec
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN / Inf; the last good checkpoint is kept."""
-
-
 def _read_records(path: Path, upto: int) -> list[dict]:
     """Metric records of an earlier run, up to and including step ``upto`` (the resume point)."""
     if not path.exists():
@@ -237,8 +212,6 @@ def _initial_state(trainer: Trainer, ckpt, loader, *, log: bool) -> tuple[TrainS
 
 def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_guard.Watchdog,
            trainer: Trainer | None = None) -> list[dict]:
-    from tqdm import tqdm
-
     from jaxtp.checkpoint import Checkpointer
 
     t = cfg.train
@@ -276,110 +249,15 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
                   f"{t.steps}; raise train.steps to train further", flush=True)
         ckpt.close()
         return records
-    tensorboard = events.EventWriter(out, enabled=t.tensorboard and is_main)
-    profile = events.ProfileWindow(t.profile_steps, out)
-
     warning = fit_warning(cfg, eng.degrees, list(eng.mesh.devices.flat))
     if warning and is_main:  # the planner's prediction, before minutes of compilation
         print(warning, flush=True)
-    step_fn, eval_fn = trainer.step_fn(state), trainer.eval_fn()
-    flops_per_step = model_flops(cfg.model, batch_size=t.batch_size, seq_len=t.seq_len)
-    peak = peak_flops(list(eng.mesh.devices.flat))
-    tokens_per_step = t.batch_size * t.seq_len
-    bar = tqdm(range(start + 1, t.steps + 1), desc="train", disable=not is_main,
-               initial=start, total=t.steps)
-    window_start, window_steps, first_window = time.perf_counter(), 0, True
-    stopped_at = None
-    try:
-        for step in bar:
-            watchdog.beat(step)
-            profile.before_step(step)
-            ckpt.raise_save_errors()  # a failed background save stops the run here
-            state, metrics = step_fn(state, trainer.put_batch(next(loader)))
-            window_steps += 1
-            if stop.should_stop(step):  # SIGTERM / SIGINT: save this step, then return
-                stopped_at = step
-                break
-            log_now = step % t.log_every == 0 or step == t.steps
-            save_now = t.checkpoint_every and step % t.checkpoint_every == 0
-            if not (log_now or save_now):
-                continue
-            loss = float(metrics["loss"])  # the one host sync per log / checkpoint interval
-            grad_norm = float(metrics["grad_norm"])
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                ckpt.wait()
-                saved = ckpt.committed_steps()  # each checksummed and finite when saved
-                where = (f"The last good checkpoint is step {saved[-1]} in {ckpt.directory} "
-                         f"(its arrays were finite and checksummed when saved, and are verified "
-                         f"when restored)" if saved else
-                         "No checkpoint was saved before it (raise the frequency with "
-                         "train.checkpoint_every)")
-                raise TrainingDiverged(
-                    f"loss is {loss} (gradient norm {grad_norm}) at step {step}; stopping. "
-                    f"{where}. Lower train.lr or raise train.warmup_steps, then resume")
-            if save_now:  # the save's time is left out of the window's step time
-                save_start = time.perf_counter()
-                ckpt.save(step, state, data_state=loader.state())
-                window_start += time.perf_counter() - save_start
-            if not log_now:
-                continue
-            dt = (time.perf_counter() - window_start) / window_steps
-            rec = {"step": step, "loss": loss, "grad_norm": grad_norm,
-                   "lr": float(optim.schedule(t)(step - 1)),
-                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                   "mfu": flops_per_step / dt / peak}
-            rec.update(_moe_record(metrics))
-            if first_window:  # the first window includes compilation
-                rec["includes_compile"] = True
-                first_window = False
-            if step % t.eval_every == 0 or step == t.steps:
-                eval_loader.step = 0  # the same held-out batches every time
-                rec["eval_loss"] = float(np.mean([
-                    float(eval_fn(state.params, trainer.put_batch(next(eval_loader))))
-                    for _ in range(t.eval_batches)]))
-            records.append(rec)
-            if is_main:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-                tensorboard.write(rec)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                            mfu=f"{100 * rec['mfu']:.1f}%")
-            window_start, window_steps = time.perf_counter(), 0
-        if stopped_at is not None:
-            ckpt.save(stopped_at, state, data_state=loader.state(), force=True)
-            ckpt.wait()
-            ckpt.raise_save_errors()
-            bar.close()
-            if is_main:
-                print(f"jaxtp: {stop.received} at step {stopped_at} of {t.steps}: saved "
-                      f"checkpoint {ckpt.directory / str(stopped_at)}; run the same command to "
-                      f"resume", flush=True)
-        elif start < t.steps and ckpt.latest_step() != t.steps:
-            ckpt.save(t.steps, state, data_state=loader.state(), force=True)
-        ckpt.wait()
-        ckpt.raise_save_errors()
-    finally:
-        watchdog.beat(t.steps)  # the last save may take a while; it is progress
-        profile.stop()
-        tensorboard.close()
-        try:
-            ckpt.wait()
-            ckpt.close()
-        except Exception:  # already reported by raise_save_errors, or by the error in flight
-            pass
-    if is_main and records and stopped_at is None:
-        events.plot_loss(records, out / "loss.png")
-        last = records[-1]
-        steady = events.steady_state(records)  # median of the windows without compilation
-        speed = (f"{steady[0]:.0f} tokens/s, MFU {100 * steady[1]:.2f}% (steady state: median "
-                 f"over logged windows, compile, saves and evals excluded)" if steady else
-                 "no steady-state window (every logged window included compilation)")
-        print(f"done: {t.steps} steps ({t.steps - start} in this run), loss "
-              f"{records[0]['loss']:.3f} -> {last['loss']:.3f}, eval loss "
-              f"{last.get('eval_loss', float('nan')):.3f}, {speed}; metrics in "
-              f"{metrics_path}, curve in {out / 'loss.png'}")
-        if "aux_loss" in last:
-            print(f"moe: lm loss {last['lm_loss']:.3f}, router aux loss {last['aux_loss']:.4f}, "
-                  f"dropped {100 * last['dropped_fraction']:.1f}% of assignments, max expert "
-                  f"load {last['expert_load_max']:.2f} x uniform")
+    devices = list(eng.mesh.devices.flat)
+    loop = Loop(cfg=cfg, trainer=trainer, ckpt=ckpt, loader=loader, eval_loader=eval_loader,
+                out=out, records=records, start=start, stop=stop, watchdog=watchdog,
+                flops_per_step=model_flops(cfg.model, batch_size=t.batch_size,
+                                           seq_len=t.seq_len),
+                peak=peak_flops(devices), is_main=is_main)
+    loop.run(state)
+    loop.summary()
     return records
