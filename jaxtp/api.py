@@ -94,6 +94,32 @@ class Model:
             ckpt.close()
         return model
 
+    @classmethod
+    def from_hf(cls, path: str | Path, overrides: Mapping[str, object] | Sequence[str] = (),
+                *, devices=None) -> Model:
+        """A Hugging Face Llama-family directory (``config.json`` + safetensors) on the layout
+        ``overrides`` give (``{"parallel.model": 4}``); each device reads only its slices."""
+        from jaxtp import hf
+
+        cfg = hf.config_from_hf(path)
+        if isinstance(overrides, Mapping):
+            overrides = [f"{k}={_text(v)}" for k, v in overrides.items()]
+        cfg = config_lib.apply_overrides(cfg, list(overrides))
+        validate_model(cfg.model)
+        model = cls.__new__(cls)
+        model.cfg, model._fns = cfg, {}
+        model.engine = build(cfg, devices, training=False)
+        model.params = hf.load_params(path, model.engine.layout)
+        return model
+
+    def save_hf(self, path: str | Path) -> Path:
+        """Write a Hugging Face directory ``transformers.AutoModelForCausalLM`` loads: config.json
+        and sharded safetensors with an index, vocab padding stripped, tensor by tensor."""
+        from jaxtp import hf
+
+        params = self.layout.natural_layers(self.params)
+        return hf.save(params, self.cfg.model, path)
+
     @property
     def layout(self):
         return self.engine.layout

@@ -10,11 +10,12 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import jax
 
 from jaxtp import check_values, distributed
-from jaxtp.config import PRESETS, ConfigError, load
+from jaxtp.config import PRESETS, ConfigError, apply_overrides, load
 from jaxtp.train import TrainingDiverged
 
 
@@ -24,8 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     verbs = p.add_subparsers(dest="verb", required=True)
 
     def common(sub):
-        sub.add_argument("--config", default="tiny",
-                         help=f"preset name: {', '.join(sorted(PRESETS))} (default: tiny)")
+        sub.add_argument("--config", default=None,
+                         help=f"preset name: {', '.join(sorted(PRESETS))} (default: tiny; "
+                              f"train continuing a run directory with a config.json: its config)")
         sub.add_argument("--devices", type=int, default=None,
                          help="simulate N CPU devices, e.g. to inspect a mesh larger than this "
                               "machine (default: accelerators if any, else 8 CPU devices); "
@@ -86,7 +88,64 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("overrides", nargs="*", metavar="key=value",
                     help="config overrides; parallel.<field>=V / train.microbatches=V pin that "
                          "choice; hardware.FIELD=V changes the hardware")
+    _hf_verbs(verbs)
     return p
+
+
+def _hf_verbs(verbs) -> None:
+    imp = verbs.add_parser("import-hf", help="import a Hugging Face Llama-family model directory "
+                                             "into a run directory (train continues it)")
+    imp.add_argument("src", help="a local HF directory: config.json, *.safetensors, tokenizer")
+    imp.add_argument("run_dir", help="the run directory to write (train.out_dir of a fine-tune)")
+    exp = verbs.add_parser("export-hf", help="write a run's model as a Hugging Face directory "
+                                             "that transformers loads")
+    exp.add_argument("run_dir", help="a run directory (jaxtp train's train.out_dir)")
+    exp.add_argument("out", help="the HF directory to write")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    for sub in (imp, exp):
+        sub.add_argument("--devices", type=int, default=None,
+                         help="simulate N CPU devices (default: accelerators if any, else 8)")
+        sub.add_argument("overrides", nargs="*", metavar="parallel.field=value",
+                         help="the layout to load onto (default: the run's / data parallel)")
+
+
+def _run_hf_verb(args) -> int:
+    import jaxtp
+    from jaxtp import hf
+
+    if args.verb == "import-hf":
+        model = jaxtp.Model.from_hf(args.src, args.overrides)
+        tokenizer = hf.copy_tokenizer(args.src, args.run_dir)
+        if tokenizer:  # the run tokenizes with the imported model's vocabulary
+            model.cfg = hf.with_tokenizer(model.cfg, tokenizer)
+        model.save(args.run_dir)
+        print(f"imported {args.src} ({model.cfg.model.param_count() / 1e6:.1f}M params) into "
+              f"{args.run_dir}; continue with: jaxtp train train.out_dir={args.run_dir}")
+        return 0
+    model = jaxtp.Model.from_run(args.run_dir, args.overrides, step=args.step)
+    model.save_hf(args.out)
+    hf.copy_tokenizer(Path(model.cfg.data.tokenizer_path).parent
+                      if model.cfg.data.tokenizer_path else None, args.out)
+    print(f"exported {args.run_dir} to {args.out} (transformers.AutoModelForCausalLM."
+          f"from_pretrained loads it)")
+    return 0
+
+
+def _config(args):
+    """The preset and overrides; ``jaxtp train`` into a run directory that has a config.json
+    (an earlier run, ``jaxtp import-hf``, ``Model.save``) and no ``--config`` continues with the
+    run's config, the overrides applied on top."""
+    out_dir = next((o.partition("=")[2] for o in reversed(args.overrides)
+                    if o.partition("=")[0].strip() == "train.out_dir"), "runs/default")
+    if args.config is None and args.verb == "train" and (Path(out_dir) / "config.json").is_file():
+        from jaxtp.run_dir import read_run_config
+
+        cfg = apply_overrides(read_run_config(out_dir), args.overrides)
+        check_values.validate_model(cfg.model)
+        check_values.validate_settings(cfg)
+        print(f"jaxtp: continuing the run in {out_dir} with its config.json", flush=True)
+        return cfg
+    return load(args.config or "tiny", args.overrides)
 
 
 SIMULATED_DEVICES = 8
@@ -106,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         check_values.check_devices(args.devices)
+        if args.verb in ("import-hf", "export-hf"):
+            _use_devices(args.devices)
+            return _run_hf_verb(args)
         if args.verb == "plan":
             check_values.check_hardware_file(args.hardware_file)
             from jaxtp import plan_cli
@@ -117,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                                    activations=args.activations, runnable=args.runnable,
                                    use_devices=_use_devices))
             return 0
-        cfg = load(args.config, args.overrides)
+        cfg = _config(args)
         _use_devices(args.devices)
         distributed.initialize(coordinator=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id, local_devices=args.devices)
@@ -135,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(r.to_json(), indent=2))
             else:
-                print(inspect.format_report(r, title=f"{args.config}, {cfg.parallel.mode} mode, "
+                print(inspect.format_report(r, title=f"{args.config or 'tiny'}, "
+                                                     f"{cfg.parallel.mode} mode, "
                                                      f"{args.step} step"))
             return 0
         if args.verb == "train":

@@ -24,6 +24,7 @@ Remat = Literal["none", "full", "selective", "dots_saveable"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["default", "xla", "cudnn"]
 ContextLayout = Literal["zigzag", "contiguous"]
+RopeScaling = Literal["none", "llama3"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 
 
@@ -43,6 +44,16 @@ class ModelConfig:
     head_dim: int = 0  # 0 = d_model // n_heads
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # RoPE frequency scaling: "none", or "llama3" (Llama 3.1's piecewise rescaling of the low
+    # frequencies by rope_scaling_factor between the low / high frequency factors, relative to
+    # rope_original_max_len)
+    rope_scaling: RopeScaling = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    qkv_bias: bool = False  # biases on the Q / K / V projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
     tie_embeddings: bool = False
     activation: Activation = "swiglu"
     # The embedding rows are padded to a multiple of vocab_pad_multiple x (tensor-parallel degree),

@@ -109,7 +109,7 @@ class Transformer(nnx.Module):
         leading layer dim (``None`` for a dense model)."""
         cfg = self.cfg
         x = embed_tokens(self.embed, tokens, ops, cfg)
-        rope = rope_tables(positions, cfg.resolved_head_dim, cfg.rope_theta)
+        rope = rope_tables(positions, cfg)
         graphdef, stacked = nnx.split(self.blocks)
         x, aux = scan_layers(graphdef, stacked, x, rope, ops, remat=remat,
                              moe=cfg.n_experts > 0)

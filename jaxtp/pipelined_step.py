@@ -102,7 +102,7 @@ class _Parts:
 
     def rope(self, positions):
         m = self.cfg.model
-        return rope_tables(positions, m.resolved_head_dim, m.rope_theta)
+        return rope_tables(positions, m)
 
 
 def _send_split(layout: Layout) -> tuple[str, int] | None:

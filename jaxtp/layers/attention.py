@@ -19,12 +19,30 @@ from flax import nnx
 
 from jaxtp.config import ModelConfig
 from jaxtp.layers import param, residual_std
+from jaxtp.layers.norm import rms_norm
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """The ``head_dim / 2`` rotation frequencies ``theta^(-2i/H)``, rescaled for ``llama3``:
+    wavelengths longer than ``original / low_freq_factor`` slow down by ``factor``, shorter than
+    ``original / high_freq_factor`` stay, and those between are interpolated (Llama 3.1)."""
+    hd = cfg.resolved_head_dim
+    freqs = cfg.rope_theta ** (-jnp.arange(0, hd, 2, dtype=jnp.float32) / hd)   # (H/2,)
+    if cfg.rope_scaling == "none":
+        return freqs
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, \
+        cfg.rope_high_freq_factor
+    wavelen = 2 * jnp.pi / freqs
+    original = cfg.rope_original_max_len
+    slow = jnp.where(wavelen > original / low, freqs / factor, freqs)
+    smooth = (original / wavelen - low) / (high - low)
+    between = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(between, (1 - smooth) * slow / factor + smooth * slow, slow)
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """cos / sin of shape ``[B,S,1,head_dim/2]`` for integer ``positions [B,S]``, in fp32."""
-    freqs = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # (H/2,)
-    angles = positions.astype(jnp.float32)[..., None] * freqs                     # (B, S, H/2)
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(cfg)  # (B, S, H/2)
     return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
 
 
@@ -44,6 +62,13 @@ class Attention(nnx.Module):
                            ("embed", "kv_heads", None, "head_dim"), std=std, dtype=dt, stack=stack)
         self.wo = param(rngs, (cfg.n_heads, hd, d), ("heads", "head_dim", "embed"),
                         std=out_std, dtype=dt, stack=stack)
+        if cfg.qkv_bias:  # Qwen2: zero-initialised, grouped like w_qkv
+            self.b_qkv = param(rngs, (cfg.n_kv_heads, self.q_per_kv + 2, hd),
+                               ("kv_heads", None, "head_dim"), std=0.0, dtype=dt, stack=stack)
+        if cfg.qk_norm:  # Qwen3: one RMSNorm scale over head_dim for all query / key heads
+            self.q_norm = param(rngs, (hd,), ("head_dim",), std=None, dtype=dt, stack=stack)
+            self.k_norm = param(rngs, (hd,), ("head_dim",), std=None, dtype=dt, stack=stack)
+        self.norm_eps = cfg.norm_eps
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         # passed only when asked for, so that the default call is jax.nn's own default
         self.attention_impl = None if cfg.attention_impl == "default" else cfg.attention_impl
@@ -52,10 +77,15 @@ class Attention(nnx.Module):
         cdt = self.compute_dtype
         h = ops.copy_to_model(x).astype(cdt)                                   # f; (B, S, D)
         qkv = jnp.einsum("bsd,dkgh->bskgh", h, self.w_qkv[...].astype(cdt))  # (B, S, K, G+2, H)
+        if hasattr(self, "b_qkv"):
+            qkv = qkv + self.b_qkv[...].astype(cdt)
         g = self.q_per_kv
         b, s, k_heads, _, hd = qkv.shape
         q = qkv[:, :, :, :g].reshape(b, s, k_heads * g, hd)                  # (B, S, N, H)
         k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]                           # (B, S, K, H)
+        if hasattr(self, "q_norm"):
+            q = rms_norm(q, self.q_norm[...], self.norm_eps)
+            k = rms_norm(k, self.k_norm[...], self.norm_eps)
         q = ops.constrain(apply_rope(q, *rope), "batch", "seq", "heads", "head_dim")
         k = ops.constrain(apply_rope(k, *rope), "batch", "seq", "kv_heads", "head_dim")
         v = ops.constrain(v, "batch", "seq", "kv_heads", "head_dim")

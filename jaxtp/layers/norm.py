@@ -24,11 +24,12 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B,S,D] -> [B,S,D]
-        return _rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps)
 
 
 @partial(jax.checkpoint, static_argnums=(2,), prevent_cse=False)
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """``x / rms(x) * scale`` over the last dim, in fp32; recomputed in backward."""
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * inv * scale.astype(jnp.float32)).astype(x.dtype)

@@ -1,0 +1,389 @@
+"""Hugging Face interop: Llama-family checkpoints in, and out, on any layout.
+
+Import maps a local HF model directory (``config.json``, ``*.safetensors`` with or without an
+index) onto jaxtp's tree: q / k / v fused into ``w_qkv[embed, kv_heads, q_per_kv + 2, head_dim]``
+grouped by KV head (HF's query head ``n`` uses KV head ``n // q_per_kv``, so KV head ``j``'s slot
+holds query heads ``j q_per_kv ..``, its key and its value), gate / up into ``w_up[embed, 2, mlp]``,
+``o_proj`` into ``wo[heads, head_dim, embed]``, torch's ``[out, in]`` matrices transposed, the
+layers stacked, the vocab padded to the TP multiple (the padding is masked in the loss). Each
+array is created with ``jax.make_array_from_callback``: a device's callback reads from the
+memory-mapped safetensors only the rows of the layers it holds, one layer at a time, so no host
+copy of the whole model is made. Export writes the inverse, tensor by tensor, into size-capped
+safetensors shards with an index, and a ``config.json`` that ``transformers`` loads.
+
+Architectures: ``llama`` (Llama 2; Llama 3 / 3.1 / 3.2 with ``llama3`` rope scaling and tied
+embeddings), ``mistral``, ``qwen2`` (q / k / v biases), ``qwen3`` (per-head QK RMSNorm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxtp.config import Config, ConfigError, ModelConfig
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+def read_config(path: str | Path) -> dict:
+    """``<path>/config.json`` as a dict; a one-line error when it is missing or unreadable."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{file} not found: a Hugging Face model directory holds config.json "
+                          f"and *.safetensors")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON ({e})") from None
+
+
+def _rope(hf: dict) -> dict:
+    """jaxtp's rope fields from ``rope_parameters`` (transformers >= 5) or ``rope_theta`` /
+    ``rope_scaling`` (older)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return {"rope_theta": float(theta)}
+    if kind != "llama3":
+        raise ConfigError(f"rope scaling type {kind!r} is not supported; jaxtp imports 'default' "
+                          f"and 'llama3'")
+    return {"rope_theta": float(theta), "rope_scaling": "llama3",
+            "rope_scaling_factor": float(params["factor"]),
+            "rope_low_freq_factor": float(params["low_freq_factor"]),
+            "rope_high_freq_factor": float(params["high_freq_factor"]),
+            "rope_original_max_len": int(params["original_max_position_embeddings"])}
+
+
+def model_config(hf: dict) -> ModelConfig:
+    """The jaxtp model of an HF ``config.json``; anything jaxtp cannot run is a ConfigError."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError(f"model_type={kind!r} is not supported; jaxtp imports "
+                          f"{', '.join(SUPPORTED)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act={hf['hidden_act']!r}: jaxtp's Llama-family MLP is SwiGLU "
+                          f"(silu)")
+    if hf.get("mlp_bias") or (kind == "llama" and hf.get("attention_bias")):
+        raise ConfigError("attention_bias / mlp_bias on a llama model are not supported")
+    heads = hf["num_attention_heads"]
+    max_len = hf.get("max_position_embeddings", 4096)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if window:  # attention is full up to the window: run sequences no longer than it
+        max_len = min(max_len, window)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=heads, n_kv_heads=hf.get("num_key_value_heads") or heads,
+        d_ff=hf["intermediate_size"], max_seq_len=max_len,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=bool(hf.get("tie_word_embeddings")),
+        activation="swiglu", qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", **_rope(hf))
+
+
+def hf_config(m: ModelConfig) -> dict:
+    """The ``config.json`` ``transformers`` loads for a jaxtp model (inverse of
+    :func:`model_config`)."""
+    kind = "qwen3" if m.qk_norm else "qwen2" if m.qkv_bias else "llama"
+    rope = {"rope_theta": m.rope_theta, "rope_type": "default"}
+    if m.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=m.rope_scaling_factor,
+                    low_freq_factor=m.rope_low_freq_factor,
+                    high_freq_factor=m.rope_high_freq_factor,
+                    original_max_position_embeddings=m.rope_original_max_len)
+    return {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
+            "vocab_size": m.vocab_size, "hidden_size": m.d_model,
+            "intermediate_size": m.d_ff, "num_hidden_layers": m.n_layers,
+            "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
+            "head_dim": m.resolved_head_dim, "max_position_embeddings": m.max_seq_len,
+            "rms_norm_eps": m.norm_eps, "hidden_act": "silu", "torch_dtype": m.param_dtype,
+            "tie_word_embeddings": m.tie_embeddings, "attention_bias": m.qkv_bias,
+            "rope_theta": m.rope_theta, "rope_parameters": rope,
+            **({"rope_scaling": rope} if m.rope_scaling != "none" else {})}
+
+
+# ---- the name and layout map -------------------------------------------------------------------
+
+def _layer(i: int, name: str) -> str:
+    return f"model.layers.{i}.{name}"
+
+
+def _per_layer(m: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
+    """jaxtp block parameter -> (its HF tensor names per layer, ``(*hf tensors) -> one layer``)."""
+    g, hd, kv = m.n_heads // m.n_kv_heads, m.resolved_head_dim, m.n_kv_heads
+
+    def qkv(q, k, v):  # [N*hd, D], [K*hd, D] x 2 -> [D, K, g+2, hd]
+        d = q.shape[1]
+        parts = [q.reshape(kv, g, hd, d), k.reshape(kv, 1, hd, d), v.reshape(kv, 1, hd, d)]
+        return np.concatenate(parts, axis=1).transpose(3, 0, 1, 2)
+
+    def bias(q, k, v):  # [N*hd], [K*hd] x 2 -> [K, g+2, hd]
+        return np.concatenate([q.reshape(kv, g, hd), k.reshape(kv, 1, hd),
+                               v.reshape(kv, 1, hd)], axis=1)
+
+    attn = "self_attn."
+    table = {
+        "attn_norm.scale": (("input_layernorm.weight",), lambda w: w),
+        "mlp_norm.scale": (("post_attention_layernorm.weight",), lambda w: w),
+        "attn.w_qkv": (tuple(attn + f"{p}_proj.weight" for p in "qkv"), qkv),
+        "attn.wo": ((attn + "o_proj.weight",), lambda w: w.T.reshape(m.n_heads, hd, -1)),
+        "mlp.w_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                     lambda gate, up: np.stack([gate.T, up.T], axis=1)),
+        "mlp.w_down": (("mlp.down_proj.weight",), lambda w: w.T),
+    }
+    if m.qkv_bias:
+        table["attn.b_qkv"] = (tuple(attn + f"{p}_proj.bias" for p in "qkv"), bias)
+    if m.qk_norm:
+        table["attn.q_norm"] = ((attn + "q_norm.weight",), lambda w: w)
+        table["attn.k_norm"] = ((attn + "k_norm.weight",), lambda w: w)
+    return table
+
+
+class _Tensors:
+    """The safetensors of an HF directory, memory-mapped, by tensor name."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"no *.safetensors in {path}: jaxtp imports safetensors checkpoints "
+                              f"(convert .bin files with transformers' save_pretrained)")
+        self.where = {}
+        for name in files:
+            handle = safe_open(str(path / name), framework="numpy")
+            self.where.update({k: handle for k in handle.keys()})
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str, rows: slice = slice(None)) -> np.ndarray:
+        return np.asarray(self._handle(name).get_slice(name)[rows], np.float32)
+
+    def _handle(self, name: str):
+        if name not in self.where:
+            raise ConfigError(f"the checkpoint has no tensor {name!r}; its config.json and its "
+                              f"weights do not match")
+        return self.where[name]
+
+
+def check_tensors(t: _Tensors, m: ModelConfig) -> None:
+    """Every tensor the config implies is there with the shape it implies (before anything is
+    allocated); one line naming the tensor, both shapes and the fix otherwise."""
+    hd, d = m.resolved_head_dim, m.d_model
+    want = {"model.embed_tokens.weight": (m.vocab_size, d), "model.norm.weight": (d,)}
+    if not m.tie_embeddings:
+        want["lm_head.weight"] = (m.vocab_size, d)
+    per = {"self_attn.q_proj.weight": (m.n_heads * hd, d),
+           "self_attn.k_proj.weight": (m.n_kv_heads * hd, d),
+           "self_attn.v_proj.weight": (m.n_kv_heads * hd, d),
+           "self_attn.o_proj.weight": (d, m.n_heads * hd),
+           "mlp.gate_proj.weight": (m.d_ff, d), "mlp.up_proj.weight": (m.d_ff, d),
+           "mlp.down_proj.weight": (d, m.d_ff), "input_layernorm.weight": (d,),
+           "post_attention_layernorm.weight": (d,)}
+    if m.qkv_bias:
+        per |= {"self_attn.q_proj.bias": (m.n_heads * hd,),
+                "self_attn.k_proj.bias": (m.n_kv_heads * hd,),
+                "self_attn.v_proj.bias": (m.n_kv_heads * hd,)}
+    if m.qk_norm:
+        per |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    want |= {_layer(i, k): v for i in range(m.n_layers) for k, v in per.items()}
+    for name, shape in want.items():
+        have = t.shape(name)
+        if have != shape:
+            raise ConfigError(f"tensor {name} has shape {have} but config.json implies {shape}; "
+                              f"the checkpoint and its config.json do not match")
+
+
+def _reader(key: str, m: ModelConfig, t: _Tensors, padded_vocab: int) -> Callable:
+    """``index -> np.ndarray``: the block of jaxtp parameter ``key`` at ``index`` (a tuple of
+    slices), read from the checkpoint without building the whole parameter."""
+    if key == "embed.table":
+        return lambda index: _vocab_rows(t, "model.embed_tokens.weight", index[0], m)[
+            :, index[1]]
+    if key == "head.w":
+        return lambda index: _vocab_rows(t, "lm_head.weight", index[1], m)[:, index[0]].T
+    if key == "final_norm.scale":
+        return lambda index: t.get("model.norm.weight")[index]
+    names, build = _per_layer(m)[key.removeprefix("blocks.")]
+    cache: dict[int, np.ndarray] = {}
+
+    def layer(i: int) -> np.ndarray:  # one layer in jaxtp's layout, built once per parameter
+        if i not in cache:
+            cache.clear()
+            cache[i] = build(*(t.get(_layer(i, n)) for n in names))
+        return cache[i]
+
+    def read(index):
+        rows = range(m.n_layers)[index[0]]
+        return np.stack([layer(i)[index[1:]] for i in rows])
+    return read
+
+
+def _vocab_rows(t: _Tensors, name: str, rows: slice, m: ModelConfig) -> np.ndarray:
+    """Rows ``rows`` of a ``[vocab, D]`` tensor padded with zero rows past ``vocab_size``."""
+    start, stop, _ = rows.indices(10**12)
+    real = t.get(name, slice(min(start, m.vocab_size), min(stop, m.vocab_size)))
+    return np.concatenate([real, np.zeros((stop - start - len(real), real.shape[1]),
+                                          np.float32)])
+
+
+def _key(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def load_params(path: str | Path, layout) -> nnx.State:
+    """The parameters of the HF checkpoint at ``path`` in ``layout``'s shardings (a
+    :class:`jaxtp.layout.Layout` of the model :func:`model_config` describes)."""
+    t = _Tensors(Path(path))
+    m = layout.cfg.model
+    check_tensors(t, m)
+    if layout.cfg.parallel.virtual_stages > 1:
+        raise ConfigError("importing onto an interleaved pipeline (virtual_stages > 1) is not "
+                          "supported yet; import, save, and load the run on that layout")
+
+    def one(keypath, var):
+        sds = var.get_value()
+        key = _key(keypath)
+        read = _reader(key, m, t, layout.padded_vocab)
+        arr = jax.make_array_from_callback(
+            sds.shape, sds.sharding, lambda index: read(_full(index, sds.shape)).astype(sds.dtype))
+        return var.replace(arr)
+    return jax.tree_util.tree_map_with_path(one, layout.abstract_params_sharded(),
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _full(index, shape) -> tuple[slice, ...]:
+    """``index`` with ``slice(None)`` made explicit for every dim."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+
+
+# ---- export ------------------------------------------------------------------------------------
+
+def _hf_tensors(params: nnx.State, m: ModelConfig):
+    """``(HF name, np.ndarray)`` one tensor at a time, vocab padding stripped (each jaxtp
+    parameter is fetched one layer at a time: no host copy of the whole model)."""
+    flat = {_key(k): v for k, v in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
+    def fetch(a):  # one tensor to the host (gathered from every process when there are several)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            a = multihost_utils.process_allgather(a, tiled=True)
+        return np.asarray(jax.device_get(a), np.float32)
+    yield "model.embed_tokens.weight", fetch(flat["embed.table"][...][: m.vocab_size])
+    if not m.tie_embeddings:
+        yield "lm_head.weight", fetch(flat["head.w"][...][:, : m.vocab_size]).T
+    yield "model.norm.weight", fetch(flat["final_norm.scale"][...])
+    g, hd, kv = m.n_heads // m.n_kv_heads, m.resolved_head_dim, m.n_kv_heads
+    for i in range(m.n_layers):
+        def at(key):
+            return fetch(flat["blocks." + key][...][i])
+        yield _layer(i, "input_layernorm.weight"), at("attn_norm.scale")
+        yield _layer(i, "post_attention_layernorm.weight"), at("mlp_norm.scale")
+        qkv = at("attn.w_qkv").transpose(1, 2, 3, 0)                 # [K, g+2, hd, D]
+        d = qkv.shape[-1]
+        yield _layer(i, "self_attn.q_proj.weight"), qkv[:, :g].reshape(kv * g * hd, d)
+        yield _layer(i, "self_attn.k_proj.weight"), qkv[:, g].reshape(kv * hd, d)
+        yield _layer(i, "self_attn.v_proj.weight"), qkv[:, g + 1].reshape(kv * hd, d)
+        if m.qkv_bias:
+            b = at("attn.b_qkv")
+            yield _layer(i, "self_attn.q_proj.bias"), b[:, :g].reshape(-1)
+            yield _layer(i, "self_attn.k_proj.bias"), b[:, g].reshape(-1)
+            yield _layer(i, "self_attn.v_proj.bias"), b[:, g + 1].reshape(-1)
+        if m.qk_norm:
+            yield _layer(i, "self_attn.q_norm.weight"), at("attn.q_norm")
+            yield _layer(i, "self_attn.k_norm.weight"), at("attn.k_norm")
+        yield _layer(i, "self_attn.o_proj.weight"), at("attn.wo").reshape(m.n_heads * hd, -1).T
+        up = at("mlp.w_up")                                          # [D, 2, F]
+        yield _layer(i, "mlp.gate_proj.weight"), np.ascontiguousarray(up[:, 0].T)
+        yield _layer(i, "mlp.up_proj.weight"), np.ascontiguousarray(up[:, 1].T)
+        yield _layer(i, "mlp.down_proj.weight"), at("mlp.w_down").T
+
+
+def save(params: nnx.State, m: ModelConfig, out: str | Path, *,
+         max_shard_bytes: int = 2 * 2**30) -> Path:
+    """Write ``config.json``, ``model-0000i-of-0000n.safetensors`` shards of at most
+    ``max_shard_bytes`` and their index into ``out`` (process 0 writes; every process must
+    call it, since fetching a sharded tensor is collective across processes)."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    writer = jax.process_index() == 0
+    shards, current, size = [], {}, 0
+    for name, arr in _hf_tensors(params, m):
+        if current and size + arr.nbytes > max_shard_bytes:
+            shards.append(_flush(current, out, len(shards), save_file, writer))
+            current, size = {}, 0
+        current[name] = np.ascontiguousarray(arr)
+        size += arr.nbytes
+    shards.append(_flush(current, out, len(shards), save_file, writer))
+    if writer:
+        n = len(shards)
+        weight_map = {}
+        for i, names in enumerate(shards):
+            final = out / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (out / f"part-{i}.safetensors").rename(final)
+            weight_map |= {k: final.name for k in names}
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
+        (out / "config.json").write_text(json.dumps(hf_config(m), indent=1) + "\n")
+    return out
+
+
+def _flush(tensors: dict, out: Path, i: int, save_file, writer: bool) -> list[str]:
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / f"part-{i}.safetensors"), metadata={"format": "pt"})
+    return list(tensors)
+
+
+def config_from_hf(path: str | Path, base: Config | None = None) -> Config:
+    """A jaxtp config for the HF model at ``path``: its model, ``base``'s (default) parallel,
+    train and data settings, the train sequence no longer than the model's, and the directory's
+    ``tokenizer.json`` as the data tokenizer when there is one."""
+    base = base or Config()
+    m = model_config(read_config(path))
+    train = dataclasses.replace(base.train, seq_len=min(base.train.seq_len, m.max_seq_len))
+    data = base.data
+    tok = Path(path) / "tokenizer.json"
+    if tok.is_file():
+        data = dataclasses.replace(data, tokenizer="bpe", tokenizer_path=str(tok.absolute()))
+    return dataclasses.replace(base, model=m, train=train, data=data)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def copy_tokenizer(src: str | Path | None, dst: str | Path) -> str | None:
+    """Copy the tokenizer files of directory ``src`` into ``dst``; the path of the copied
+    ``tokenizer.json`` (``None`` when ``src`` has none)."""
+    import shutil
+
+    if src is None or not (Path(src) / "tokenizer.json").is_file():
+        return None
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy(Path(src) / name, Path(dst) / name)
+    return str((Path(dst) / "tokenizer.json").absolute())
+
+
+def with_tokenizer(cfg: Config, tokenizer_json: str) -> Config:
+    """``cfg`` tokenizing its data with the HF ``tokenizer_json``."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, tokenizer="bpe", tokenizer_path=tokenizer_json))
