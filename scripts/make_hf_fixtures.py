@@ -43,6 +43,22 @@ ARCHS = {
                                   head_dim=32)),
 }
 SHARDED = {"qwen2": "150KB"}
+WITH_TOKENIZER = "llama"  # its directory also gets a tokenizer.json of the model's vocab size
+
+
+def tokenizer_(out: Path, vocab: int) -> None:
+    """A BPE tokenizer of ``vocab`` tokens trained on a few lines of text (tokenizers library)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = [f"the quick brown fox {i} jumps over the lazy dog; def f(x): return x + {i}"
+            for i in range(200)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab,
+                                                      special_tokens=["<unk>", "<eos>"]))
+    assert tok.get_vocab_size() <= vocab
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}) + "\n")
 
 
 def realistic_(model: torch.nn.Module, seed: int) -> None:
@@ -76,6 +92,8 @@ def main() -> None:
         with torch.no_grad():
             logits = model(torch.as_tensor(tokens)).logits.float().numpy()
         np.savez(out / "golden.npz", tokens=tokens.astype(np.int32), logits=logits)
+        if name == WITH_TOKENIZER:
+            tokenizer_(out, COMMON["vocab_size"])
         files = sorted(p.name for p in out.iterdir())
         print(f"{name}: {files}, logits std {logits.std():.3f}")
     (OUT / "VERSIONS.json").write_text(json.dumps(

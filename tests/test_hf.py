@@ -99,15 +99,19 @@ def test_cli_import_train_export(tmp_path):
     shutil.copytree(FIXTURES / "llama", src)
     run = tmp_path / "run"
     assert cli.main(["import-hf", str(src), str(run), "parallel.data=4", "parallel.model=2"]) == 0
-    assert jaxtp.Model.from_run(run).cfg.model.vocab_size == 250
+    imported = jaxtp.Model.from_run(run).cfg
+    assert imported.model.vocab_size == 250
+    # the source's tokenizer.json is copied and becomes the run's tokenizer
+    assert imported.data.tokenizer == "bpe"
+    assert imported.data.tokenizer_path == str((run / "tokenizer.json").absolute())
     # exported before any training: the checkpoint's own logits
     assert cli.main(["export-hf", str(run), str(tmp_path / "out")]) == 0
     tokens, want = _golden("llama")
     back = jaxtp.Model.from_hf(tmp_path / "out", {"parallel.data": 8})
     assert np.abs(np.asarray(back.logits(tokens)) - want).max() <= TOL
-    # fine-tune two steps on token ids of its vocabulary (a .bin of uint16 ids)
-    corpus = tmp_path / "ids.bin"
-    np.random.default_rng(0).integers(0, 250, 20000).astype(np.uint16).tofile(corpus)
+    # fine-tune two steps on text, tokenized with the imported tokenizer
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("".join(f"the lazy dog {i} jumps over the quick fox\n" for i in range(4000)))
     assert cli.main(["train", f"train.out_dir={run}", f"data.path={corpus}", "train.steps=2",
                      "train.log_every=1", "train.eval_batches=1", "train.tensorboard=false",
                      "train.checkpoint_every=0", "train.seq_len=32"]) == 0
