@@ -115,10 +115,10 @@ class Model:
     def save_hf(self, path: str | Path) -> Path:
         """Write a Hugging Face directory ``transformers.AutoModelForCausalLM`` loads: config.json
         and sharded safetensors with an index, vocab padding stripped, tensor by tensor."""
-        from jaxtp import hf
+        from jaxtp import hf_export
 
         params = self.layout.natural_layers(self.params)
-        return hf.save(params, self.cfg.model, path)
+        return hf_export.save(params, self.cfg.model, path)
 
     @property
     def layout(self):

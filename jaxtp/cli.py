@@ -111,20 +111,20 @@ def _hf_verbs(verbs) -> None:
 
 def _run_hf_verb(args) -> int:
     import jaxtp
-    from jaxtp import hf
+    from jaxtp import hf_export
 
     if args.verb == "import-hf":
         model = jaxtp.Model.from_hf(args.src, args.overrides)
-        tokenizer = hf.copy_tokenizer(args.src, args.run_dir)
+        tokenizer = hf_export.copy_tokenizer(args.src, args.run_dir)
         if tokenizer:  # the run tokenizes with the imported model's vocabulary
-            model.cfg = hf.with_tokenizer(model.cfg, tokenizer)
+            model.cfg = hf_export.with_tokenizer(model.cfg, tokenizer)
         model.save(args.run_dir)
         print(f"imported {args.src} ({model.cfg.model.param_count() / 1e6:.1f}M params) into "
               f"{args.run_dir}; continue with: jaxtp train train.out_dir={args.run_dir}")
         return 0
     model = jaxtp.Model.from_run(args.run_dir, args.overrides, step=args.step)
     model.save_hf(args.out)
-    hf.copy_tokenizer(Path(model.cfg.data.tokenizer_path).parent
+    hf_export.copy_tokenizer(Path(model.cfg.data.tokenizer_path).parent
                       if model.cfg.data.tokenizer_path else None, args.out)
     print(f"exported {args.run_dir} to {args.out} (transformers.AutoModelForCausalLM."
           f"from_pretrained loads it)")

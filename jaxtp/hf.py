@@ -9,7 +9,8 @@ layers stacked, the vocab padded to the TP multiple (the padding is masked in th
 array is created with ``jax.make_array_from_callback``: a device's callback reads from the
 memory-mapped safetensors only the rows of the layers it holds, one layer at a time, so no host
 copy of the whole model is made. Export writes the inverse, tensor by tensor, into size-capped
-safetensors shards with an index, and a ``config.json`` that ``transformers`` loads.
+safetensors shards with an index, and a ``config.json`` that ``transformers`` loads
+(:mod:`jaxtp.hf_export`).
 
 Architectures: ``llama`` (Llama 2; Llama 3 / 3.1 / 3.2 with ``llama3`` rope scaling and tied
 embeddings), ``mistral``, ``qwen2`` (q / k / v biases), ``qwen3`` (per-head QK RMSNorm).
@@ -113,7 +114,8 @@ def hf_config(m: ModelConfig) -> dict:
 
 # ---- the name and layout map -------------------------------------------------------------------
 
-def _layer(i: int, name: str) -> str:
+def layer_name(i: int, name: str) -> str:
+    """HF's name of tensor ``name`` of decoder layer ``i``."""
     return f"model.layers.{i}.{name}"
 
 
@@ -148,12 +150,17 @@ def _per_layer(m: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
     return table
 
 
+_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": "bfloat16"}
+
+
 class _Tensors:
-    """The safetensors of an HF directory, memory-mapped, by tensor name."""
+    """The safetensors files of an HF directory, by tensor name. Reads are positional
+    (``np.fromfile`` at the tensor's offset, only the rows asked for), not memory-mapped: the
+    pages of a mapped file count in the process's resident memory, and a whole-model import
+    would hold the checkpoint twice (measured on a 1.1B model: 15.4 GiB peak RSS mapped, see
+    benchmarks/hf_load.py)."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         index = path / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -162,18 +169,41 @@ class _Tensors:
         if not files:
             raise ConfigError(f"no *.safetensors in {path}: jaxtp imports safetensors checkpoints "
                               f"(convert .bin files with transformers' save_pretrained)")
-        self.where = {}
+        self.where: dict[str, tuple[Path, int, dict]] = {}
         for name in files:
-            handle = safe_open(str(path / name), framework="numpy")
-            self.where.update({k: handle for k in handle.keys()})
+            file = path / name
+            if not file.is_file():
+                raise ConfigError(f"{file} is listed in the index but missing")
+            with open(file, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            self.where.update({k: (file, 8 + n, v) for k, v in header.items()})
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._entry(name)[2]["shape"])
 
     def get(self, name: str, rows: slice = slice(None)) -> np.ndarray:
-        return np.asarray(self._handle(name).get_slice(name)[rows], np.float32)
+        """Rows ``rows`` of tensor ``name`` (all of it by default), as fp32."""
+        file, base, entry = self._entry(name)
+        shape = entry["shape"]
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ConfigError(f"tensor {name} has dtype {entry['dtype']}; jaxtp reads "
+                              f"{', '.join(_DTYPES)}")
+        if dtype == "bfloat16":
+            import ml_dtypes
+            dtype = ml_dtypes.bfloat16
+        start, stop, _ = rows.indices(shape[0]) if shape else (0, 1, 1)
+        per_row = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        itemsize = np.dtype(dtype).itemsize
+        offset = base + entry["data_offsets"][0] + start * per_row * itemsize
+        count = max(stop - start, 0) * per_row
+        data = np.fromfile(file, dtype=dtype, count=count, offset=offset)
+        return data.reshape((max(stop - start, 0), *shape[1:]) if shape else ()).astype(
+            np.float32)
 
-    def _handle(self, name: str):
+    def _entry(self, name: str):
         if name not in self.where:
             raise ConfigError(f"the checkpoint has no tensor {name!r}; its config.json and its "
                               f"weights do not match")
@@ -200,7 +230,7 @@ def check_tensors(t: _Tensors, m: ModelConfig) -> None:
                 "self_attn.v_proj.bias": (m.n_kv_heads * hd,)}
     if m.qk_norm:
         per |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
-    want |= {_layer(i, k): v for i in range(m.n_layers) for k, v in per.items()}
+    want |= {layer_name(i, k): v for i in range(m.n_layers) for k, v in per.items()}
     for name, shape in want.items():
         have = t.shape(name)
         if have != shape:
@@ -224,7 +254,7 @@ def _reader(key: str, m: ModelConfig, t: _Tensors, padded_vocab: int) -> Callabl
     def layer(i: int) -> np.ndarray:  # one layer in jaxtp's layout, built once per parameter
         if i not in cache:
             cache.clear()
-            cache[i] = build(*(t.get(_layer(i, n)) for n in names))
+            cache[i] = build(*(t.get(layer_name(i, n)) for n in names))
         return cache[i]
 
     def read(index):
@@ -241,7 +271,8 @@ def _vocab_rows(t: _Tensors, name: str, rows: slice, m: ModelConfig) -> np.ndarr
                                           np.float32)])
 
 
-def _key(path) -> str:
+def param_key(path) -> str:
+    """A jaxtp parameter's dotted key (``blocks.attn.w_qkv``) from its tree path."""
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
@@ -257,7 +288,7 @@ def load_params(path: str | Path, layout) -> nnx.State:
 
     def one(keypath, var):
         sds = var.get_value()
-        key = _key(keypath)
+        key = param_key(keypath)
         read = _reader(key, m, t, layout.padded_vocab)
         arr = jax.make_array_from_callback(
             sds.shape, sds.sharding, lambda index: read(_full(index, sds.shape)).astype(sds.dtype))
@@ -272,85 +303,6 @@ def _full(index, shape) -> tuple[slice, ...]:
     return tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
 
 
-# ---- export ------------------------------------------------------------------------------------
-
-def _hf_tensors(params: nnx.State, m: ModelConfig):
-    """``(HF name, np.ndarray)`` one tensor at a time, vocab padding stripped (each jaxtp
-    parameter is fetched one layer at a time: no host copy of the whole model)."""
-    flat = {_key(k): v for k, v in jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]}
-    def fetch(a):  # one tensor to the host (gathered from every process when there are several)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            a = multihost_utils.process_allgather(a, tiled=True)
-        return np.asarray(jax.device_get(a), np.float32)
-    yield "model.embed_tokens.weight", fetch(flat["embed.table"][...][: m.vocab_size])
-    if not m.tie_embeddings:
-        yield "lm_head.weight", fetch(flat["head.w"][...][:, : m.vocab_size]).T
-    yield "model.norm.weight", fetch(flat["final_norm.scale"][...])
-    g, hd, kv = m.n_heads // m.n_kv_heads, m.resolved_head_dim, m.n_kv_heads
-    for i in range(m.n_layers):
-        def at(key):
-            return fetch(flat["blocks." + key][...][i])
-        yield _layer(i, "input_layernorm.weight"), at("attn_norm.scale")
-        yield _layer(i, "post_attention_layernorm.weight"), at("mlp_norm.scale")
-        qkv = at("attn.w_qkv").transpose(1, 2, 3, 0)                 # [K, g+2, hd, D]
-        d = qkv.shape[-1]
-        yield _layer(i, "self_attn.q_proj.weight"), qkv[:, :g].reshape(kv * g * hd, d)
-        yield _layer(i, "self_attn.k_proj.weight"), qkv[:, g].reshape(kv * hd, d)
-        yield _layer(i, "self_attn.v_proj.weight"), qkv[:, g + 1].reshape(kv * hd, d)
-        if m.qkv_bias:
-            b = at("attn.b_qkv")
-            yield _layer(i, "self_attn.q_proj.bias"), b[:, :g].reshape(-1)
-            yield _layer(i, "self_attn.k_proj.bias"), b[:, g].reshape(-1)
-            yield _layer(i, "self_attn.v_proj.bias"), b[:, g + 1].reshape(-1)
-        if m.qk_norm:
-            yield _layer(i, "self_attn.q_norm.weight"), at("attn.q_norm")
-            yield _layer(i, "self_attn.k_norm.weight"), at("attn.k_norm")
-        yield _layer(i, "self_attn.o_proj.weight"), at("attn.wo").reshape(m.n_heads * hd, -1).T
-        up = at("mlp.w_up")                                          # [D, 2, F]
-        yield _layer(i, "mlp.gate_proj.weight"), np.ascontiguousarray(up[:, 0].T)
-        yield _layer(i, "mlp.up_proj.weight"), np.ascontiguousarray(up[:, 1].T)
-        yield _layer(i, "mlp.down_proj.weight"), at("mlp.w_down").T
-
-
-def save(params: nnx.State, m: ModelConfig, out: str | Path, *,
-         max_shard_bytes: int = 2 * 2**30) -> Path:
-    """Write ``config.json``, ``model-0000i-of-0000n.safetensors`` shards of at most
-    ``max_shard_bytes`` and their index into ``out`` (process 0 writes; every process must
-    call it, since fetching a sharded tensor is collective across processes)."""
-    from safetensors.numpy import save_file
-
-    out = Path(out)
-    writer = jax.process_index() == 0
-    shards, current, size = [], {}, 0
-    for name, arr in _hf_tensors(params, m):
-        if current and size + arr.nbytes > max_shard_bytes:
-            shards.append(_flush(current, out, len(shards), save_file, writer))
-            current, size = {}, 0
-        current[name] = np.ascontiguousarray(arr)
-        size += arr.nbytes
-    shards.append(_flush(current, out, len(shards), save_file, writer))
-    if writer:
-        n = len(shards)
-        weight_map = {}
-        for i, names in enumerate(shards):
-            final = out / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            (out / f"part-{i}.safetensors").rename(final)
-            weight_map |= {k: final.name for k in names}
-        (out / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
-        (out / "config.json").write_text(json.dumps(hf_config(m), indent=1) + "\n")
-    return out
-
-
-def _flush(tensors: dict, out: Path, i: int, save_file, writer: bool) -> list[str]:
-    if writer:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / f"part-{i}.safetensors"), metadata={"format": "pt"})
-    return list(tensors)
-
-
 def config_from_hf(path: str | Path, base: Config | None = None) -> Config:
     """A jaxtp config for the HF model at ``path``: its model, ``base``'s (default) parallel,
     train and data settings, the train sequence no longer than the model's, and the directory's
@@ -363,27 +315,3 @@ def config_from_hf(path: str | Path, base: Config | None = None) -> Config:
     if tok.is_file():
         data = dataclasses.replace(data, tokenizer="bpe", tokenizer_path=str(tok.absolute()))
     return dataclasses.replace(base, model=m, train=train, data=data)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
-
-
-def copy_tokenizer(src: str | Path | None, dst: str | Path) -> str | None:
-    """Copy the tokenizer files of directory ``src`` into ``dst``; the path of the copied
-    ``tokenizer.json`` (``None`` when ``src`` has none)."""
-    import shutil
-
-    if src is None or not (Path(src) / "tokenizer.json").is_file():
-        return None
-    Path(dst).mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copy(Path(src) / name, Path(dst) / name)
-    return str((Path(dst) / "tokenizer.json").absolute())
-
-
-def with_tokenizer(cfg: Config, tokenizer_json: str) -> Config:
-    """``cfg`` tokenizing its data with the HF ``tokenizer_json``."""
-    return dataclasses.replace(cfg, data=dataclasses.replace(
-        cfg.data, tokenizer="bpe", tokenizer_path=tokenizer_json))
