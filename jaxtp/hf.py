@@ -201,7 +201,7 @@ class _Tensors:
         count = max(stop - start, 0) * per_row
         data = np.fromfile(file, dtype=dtype, count=count, offset=offset)
         return data.reshape((max(stop - start, 0), *shape[1:]) if shape else ()).astype(
-            np.float32)
+            np.float32, copy=False)
 
     def _entry(self, name: str):
         if name not in self.where:
@@ -242,12 +242,13 @@ def _reader(key: str, m: ModelConfig, t: _Tensors, padded_vocab: int) -> Callabl
     """``index -> np.ndarray``: the block of jaxtp parameter ``key`` at ``index`` (a tuple of
     slices), read from the checkpoint without building the whole parameter."""
     if key == "embed.table":
-        return lambda index: _vocab_rows(t, "model.embed_tokens.weight", index[0], m)[
-            :, index[1]]
+        return lambda index, dtype: _vocab_rows(t, "model.embed_tokens.weight", index[0], m)[
+            :, index[1]].astype(dtype, copy=False)
     if key == "head.w":
-        return lambda index: _vocab_rows(t, "lm_head.weight", index[1], m)[:, index[0]].T
+        return lambda index, dtype: np.ascontiguousarray(
+            _vocab_rows(t, "lm_head.weight", index[1], m)[:, index[0]].T, dtype)
     if key == "final_norm.scale":
-        return lambda index: t.get("model.norm.weight")[index]
+        return lambda index, dtype: t.get("model.norm.weight")[index].astype(dtype, copy=False)
     names, build = _per_layer(m)[key.removeprefix("blocks.")]
     cache: dict[int, np.ndarray] = {}
 
@@ -257,9 +258,13 @@ def _reader(key: str, m: ModelConfig, t: _Tensors, padded_vocab: int) -> Callabl
             cache[i] = build(*(t.get(layer_name(i, n)) for n in names))
         return cache[i]
 
-    def read(index):
+    def read(index, dtype):  # filled layer by layer: one copy of the block, no stack
         rows = range(m.n_layers)[index[0]]
-        return np.stack([layer(i)[index[1:]] for i in rows])
+        first = layer(rows[0])[index[1:]]
+        out = np.empty((len(rows), *first.shape), dtype)
+        for j, i in enumerate(rows):
+            out[j] = layer(i)[index[1:]]
+        return out
     return read
 
 
@@ -288,11 +293,14 @@ def load_params(path: str | Path, layout) -> nnx.State:
 
     def one(keypath, var):
         sds = var.get_value()
-        key = param_key(keypath)
-        read = _reader(key, m, t, layout.padded_vocab)
-        arr = jax.make_array_from_callback(
-            sds.shape, sds.sharding, lambda index: read(_full(index, sds.shape)).astype(sds.dtype))
-        return var.replace(arr)
+        read = _reader(param_key(keypath), m, t, layout.padded_vocab)
+        # one device's block on the host at a time, moved to its device before the next is read
+        # (make_array_from_callback would hold every local block of the parameter at once)
+        index_of = sds.sharding.addressable_devices_indices_map(sds.shape)
+        blocks = [jax.device_put(read(_full(index, sds.shape), sds.dtype), device)
+                  for device, index in index_of.items()]
+        return var.replace(jax.make_array_from_single_device_arrays(sds.shape, sds.sharding,
+                                                                    blocks))
     return jax.tree_util.tree_map_with_path(one, layout.abstract_params_sharded(),
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
 
