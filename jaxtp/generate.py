@@ -1,0 +1,135 @@
+"""Text generation from a sharded model: prompts in, tokens and text out.
+
+The host side of :mod:`jaxtp.decode`: encode prompts (the byte-level tokenizer of the byte presets,
+or a ``data.tokenizer_path`` BPE), check them, right-pad them into a fixed bucket, run the compiled
+prefill + decode loop and cut each row's new tokens out. Lengths are bucketed to powers of two
+(capped at ``model.max_seq_len``), so a session compiles once per ``(rows, prompt bucket, length
+bucket)``, never once per prompt length or per token; temperature, top-k, top-p, the seed, the
+stop tokens and ``max_new_tokens`` are traced arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtp import decode
+from jaxtp.errors import ConfigError
+from jaxtp.layout import Layout
+from jaxtp.region import Region
+from jaxtp.sampling import SamplerArgs
+from jaxtp.sharding import named
+from jaxtp.validate import batch_shards
+
+MAX_STOP_TOKENS = 8  # stop ids are padded to this many (one compile for any stop set)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What :meth:`jaxtp.Model.generate` returns, one entry per prompt."""
+
+    tokens: list[np.ndarray]       # each row's new tokens (a stop token, if hit, is the last)
+    text: list[str] | None         # the new tokens decoded (stop token dropped), if decodable
+    prompt_tokens: list[np.ndarray]
+
+
+class Tokenizer:
+    """Byte-level (vocab 256, the byte presets) or a HuggingFace ``tokenizer.json``."""
+
+    def __init__(self, cfg):
+        self.hf = None
+        if cfg.data.tokenizer == "bpe":
+            if not cfg.data.tokenizer_path:
+                raise ConfigError("the model's tokenizer is a BPE trained on its corpus; pass token "
+                                  "ids, or set data.tokenizer_path to its tokenizer.json")
+            from tokenizers import Tokenizer as HFTokenizer
+            self.hf = HFTokenizer.from_file(cfg.data.tokenizer_path)
+
+    def encode(self, text: str) -> list[int]:
+        if self.hf is not None:
+            return self.hf.encode(text).ids
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.hf is not None:
+            return self.hf.decode(ids)
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def bucket(n: int, cap: int) -> int:
+    """The power of two ``>= n``, at most ``cap``."""
+    return min(1 << max(n - 1, 0).bit_length(), cap)
+
+
+class Generator:
+    """The compiled decode of one layout (compiled on first use per bucket), and its host side."""
+
+    def __init__(self, layout: Layout, region: Region):
+        decode.check_decodable(layout)
+        self.layout, self.region = layout, region
+        self.fn = decode.generate_fn(layout, region)
+        self.tokenizer = Tokenizer(layout.cfg)
+
+    def prompt_rows(self, prompts) -> list[list[int]]:
+        """A string, a list of strings, a 1-D token array / list, a list of them or a 2-D array
+        -> a list of token-id lists (each checked)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 1:
+            prompts = [prompts]
+        elif (isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], str)
+              and np.ndim(prompts[0]) == 0):
+            prompts = [prompts]  # one prompt of token ids
+        rows = [self.tokenizer.encode(p) if isinstance(p, str) else
+                [int(t) for t in np.asarray(p).reshape(-1)] for p in prompts]
+        vocab = self.layout.cfg.model.vocab_size
+        if not rows:
+            raise ValueError("no prompts given")
+        for i, r in enumerate(rows):
+            if not r:
+                raise ValueError(f"prompt {i} is empty: give at least one token")
+            if min(r) < 0 or max(r) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, model.vocab_size={vocab})")
+        return rows
+
+    def __call__(self, params, prompts, *, max_new_tokens: int, sampler: SamplerArgs,
+                 seed: int = 0, stop_tokens: Sequence[int] = ()) -> Generation:
+        rows = self.prompt_rows(prompts)
+        cap = self.layout.cfg.model.max_seq_len
+        longest = max(len(r) for r in rows)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if longest + max_new_tokens > cap:
+            raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} "
+                             f"is longer than model.max_seq_len={cap}: shorten the prompt or "
+                             f"ask for fewer tokens")
+        if len(stop_tokens) > MAX_STOP_TOKENS:
+            raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens")
+        t, length = bucket(longest, cap), bucket(longest + max_new_tokens, cap)
+        shards = batch_shards(self.layout.degrees)
+        n = -(-len(rows) // shards) * shards
+        padded = np.zeros((n, t), np.int32)
+        lengths = np.ones((n,), np.int32)  # padding rows: one token, discarded
+        for i, r in enumerate(rows):
+            padded[i, : len(r)], lengths[i] = r, len(r)
+        stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
+        stops[: len(stop_tokens)] = list(stop_tokens)
+        lo = self.layout
+        row_sharding = named(lo.mesh, lo.activation_rules.spec(decode.ROW_NAMES))
+        out, made = self.fn(params, decode.init_cache(lo, n, length),
+                            jax.device_put(padded, lo.batch_sharding),
+                            jax.device_put(lengths, row_sharding),
+                            jax.device_put(np.arange(n, dtype=np.int32), row_sharding),
+                            jnp.int32(max_new_tokens), jax.random.PRNGKey(seed), sampler,
+                            jnp.asarray(stops))
+        out, made = np.asarray(out), np.asarray(made)
+        new = [out[i, len(r): len(r) + made[i]] for i, r in enumerate(rows)]
+        stop = set(stop_tokens)
+        text = [self.tokenizer.decode(x[:-1] if len(x) and int(x[-1]) in stop else x)
+                for x in new]
+        return Generation(tokens=new, text=text, prompt_tokens=[np.asarray(r) for r in rows])
