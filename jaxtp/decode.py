@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -71,12 +71,17 @@ def cache_sharding(layout: Layout):
 
 def init_cache(layout: Layout, rows: int, length: int) -> Cache:
     """Zeros ``[layers, rows, length, kv_heads, head_dim]`` x 2, created in their sharding."""
+    return _zeros_fn(layout, rows, length)()
+
+
+@lru_cache(maxsize=32)
+def _zeros_fn(layout: Layout, rows: int, length: int) -> Callable:
     m = layout.cfg.model
     shape = (layout.layer_units, rows, length, m.n_kv_heads, m.resolved_head_dim)
     dtype = jnp.dtype(m.compute_dtype)
     sharding = cache_sharding(layout)
     return jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-                   out_shardings=(sharding, sharding))()
+                   out_shardings=(sharding, sharding))
 
 
 # ---- the cached forward (per device or global view; the model's own blocks) ------------------
