@@ -85,6 +85,25 @@ def test_greedy_generate_equals_recompute(model):
     np.testing.assert_array_equal(alone, batch.tokens[1])
 
 
+@pytest.mark.parametrize("extra", [
+    {"parallel.mode": "gspmd", "parallel.data": 2, "parallel.model": 4, "model.n_kv_heads": 4},
+    {"parallel.mode": "explicit", "parallel.data": 1, "parallel.fsdp": 2, "parallel.model": 4,
+     "parallel.zero_stage": 3, "model.tie_embeddings": True, "model.vocab_size": 250},
+], ids=["gqa-gspmd", "zero3-tied-padded-vocab-explicit"])
+def test_greedy_generate_other_layouts(extra):
+    """Grouped-query attention (2 query heads per cached KV head), and ZeRO-3 (each layer gathered
+    in the decode scan) with tied embeddings and a padded vocab (250 -> 256 rows)."""
+    cfg = jaxtp.config("tiny", {**extra, "model.max_seq_len": 32})
+    model = jaxtp.Model(cfg, seed=0)
+    out = model.generate(PROMPTS[:3], max_new_tokens=N_NEW)
+    seqs = [list(p) + [int(x) for x in t] for p, t in zip(PROMPTS, out.tokens)]
+    full = _full_forward(model, seqs)
+    for i, (prompt, tokens) in enumerate(zip(PROMPTS, out.tokens)):
+        assert (tokens < 250).all() or extra.get("model.vocab_size") is None
+        steps = len(prompt) - 1 + np.arange(N_NEW)
+        np.testing.assert_array_equal(full[i, steps].argmax(-1), tokens)
+
+
 def test_generate_text_seed_and_stop():
     model = _model("gspmd", 2, 4)
     a = model.generate(["Hi", "there"], max_new_tokens=8, temperature=1.0, top_p=0.9, seed=1)
