@@ -97,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="another layout to load the run on, e.g. parallel.model=4")
 
     sa = verbs.add_parser("sample", help="generate text from a trained run (KV-cache decode on "
-                                         "the run's layout); prints the prompt and its "
-                                         "continuation")
+                                         "the run's layout); streams the prompt's "
+                                         "continuation (several prompts: printed at the end)")
     run_verb(sa)
     sa.add_argument("--prompt", required=True, action="append",
                     help="prompt text (repeat for a batch of prompts)")
@@ -206,17 +206,38 @@ def _load_run(args):
     return Model.from_run(args.run, args.overrides, devices=jax.devices()[:n])
 
 
+def _sample(model, args) -> None:
+    """Stream one prompt's continuation as it is made (a chunk of tokens per compiled call);
+    print several prompts' continuations when the batch is done."""
+    from jaxtp.generate import Generator
+    from jaxtp.sampling import SamplerArgs
+
+    try:
+        sampler = SamplerArgs.make(temperature=args.temperature, top_k=args.top_k,
+                                   top_p=args.top_p)
+        chunks = Generator(model.layout, model.engine.region).stream(
+            model.params, args.prompt, max_new_tokens=args.max_new_tokens, sampler=sampler,
+            seed=args.seed)
+        if len(args.prompt) > 1:
+            *_, last = chunks
+            for prompt, text in zip(args.prompt, last.text):
+                print(prompt + text)
+            return
+        print(args.prompt[0], end="", flush=True)
+        shown = ""
+        for part in chunks:
+            text = part.text[0].rstrip("\ufffd")  # an unfinished UTF-8 character: wait
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+        print(part.text[0][len(shown):])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _run_verb(args) -> int:
     model = _load_run(args)
     if args.verb == "sample":
-        try:
-            out = model.generate(args.prompt, max_new_tokens=args.max_new_tokens,
-                                 temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, seed=args.seed)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        for prompt, text in zip(args.prompt, out.text):
-            print(prompt + text)
+        _sample(model, args)
         return 0
     from jaxtp import evaluate
 

@@ -183,19 +183,23 @@ def _vary(tree, axes: tuple[str, ...]):
     return jax.tree.map(one, tree)
 
 
-def generate(model, ops, cache, prompts, lengths, rows, n_new, seed_key, args: SamplerArgs,
-             stop_ids, *, vocab_size: int, row_axes: tuple[str, ...]):
-    """Prefill, sample, then ``n_new - 1`` decode steps in one ``while_loop``.
-
-    Returns ``(tokens [B,L], generated [B])``: each row's prompt followed by its new tokens
-    (up to and including a stop token), and how many it made."""
+def start(model, ops, cache, prompts, lengths, rows, seed_key, args: SamplerArgs, stop_ids, *,
+          vocab_size: int):
+    """Prefill and sample each row's first new token. Returns the loop state ``(cache, tokens
+    [B,L], last token [B], stopped [B], generated [B])``: each row's prompt followed by its new
+    tokens (up to and including a stop token), and how many it made."""
     logits, cache = prefill(model, ops, cache, prompts, lengths)
     tok = sample(logits, args, row_keys(seed_key, rows, 0), vocab_size=vocab_size)
-    length = cache[0].shape[2]
-    out = jnp.pad(prompts, ((0, 0), (0, length - prompts.shape[1])))
+    out = jnp.pad(prompts, ((0, 0), (0, cache[0].shape[2] - prompts.shape[1])))
     done, made = jnp.zeros(tok.shape, bool), jnp.zeros(tok.shape, jnp.int32)
     out, done, made = _emit(out, tok, lengths, done, made, stop_ids)
+    return cache, out, tok, done, made
 
+
+def extend(model, ops, cache, out, tok, done, made, lengths, rows, first, last, seed_key,
+           args: SamplerArgs, stop_ids, *, vocab_size: int, row_axes: tuple[str, ...]):
+    """New tokens ``first .. last - 1`` (token 0 is :func:`start` 's), one decode step each,
+    in one ``while_loop``; the loop state in and out."""
     def body(carry):
         i, cache, out, tok, done, made = carry
         pos = lengths + i - 1                                       # where `tok` sits
@@ -204,8 +208,17 @@ def generate(model, ops, cache, prompts, lengths, rows, n_new, seed_key, args: S
         out, done, made = _emit(out, tok, pos + 1, done, made, stop_ids)
         return (i + 1, *_vary((cache, out, tok, done, made), row_axes))
 
-    init = (jnp.int32(1), *_vary((cache, out, tok, done, made), row_axes))
-    _, _, out, _, _, made = jax.lax.while_loop(lambda c: c[0] < n_new, body, init)
+    init = (jnp.asarray(first, jnp.int32), *_vary((cache, out, tok, done, made), row_axes))
+    return jax.lax.while_loop(lambda c: c[0] < last, body, init)[1:]
+
+
+def generate(model, ops, cache, prompts, lengths, rows, n_new, seed_key, args: SamplerArgs,
+             stop_ids, *, vocab_size: int, row_axes: tuple[str, ...]):
+    """:func:`start`, then ``n_new - 1`` decode steps: ``(tokens [B,L], generated [B])``."""
+    state = start(model, ops, cache, prompts, lengths, rows, seed_key, args, stop_ids,
+                  vocab_size=vocab_size)
+    _, out, _, _, made = extend(model, ops, *state, lengths, rows, 1, n_new, seed_key, args,
+                                stop_ids, vocab_size=vocab_size, row_axes=row_axes)
     return out, made
 
 
@@ -246,12 +259,36 @@ def step_fn(layout: Layout, region: Region) -> Callable:
                    (LOGIT_NAMES, CACHE_NAMES))
 
 
+def _row_axes(layout: Layout, region: Region) -> tuple[str, ...]:
+    """The manual axes rows are split over: what a per-row carry of the loop varies over."""
+    return () if region.global_view else entry_axes(layout.activation_rules["batch"])
+
+
+STATE_NAMES = (CACHE_NAMES, TOKEN_NAMES, ROW_NAMES, ROW_NAMES, ROW_NAMES)
+
+
+def start_fn(layout: Layout, region: Region) -> Callable:
+    """``(params, cache, prompts, lengths, rows, seed_key, SamplerArgs, stop_ids) -> state``:
+    see :func:`start`."""
+    body = partial(start, vocab_size=layout.cfg.model.vocab_size)
+    return on_mesh(layout, region, body, (CACHE_NAMES, TOKEN_NAMES, ROW_NAMES, ROW_NAMES,
+                                          SCALAR, SCALAR, SCALAR), STATE_NAMES)
+
+
+def extend_fn(layout: Layout, region: Region) -> Callable:
+    """``(params, *state, lengths, rows, first, last, seed_key, SamplerArgs, stop_ids) ->
+    state``: see :func:`extend` (streaming runs it once per chunk of tokens)."""
+    body = partial(extend, vocab_size=layout.cfg.model.vocab_size,
+                   row_axes=_row_axes(layout, region))
+    return on_mesh(layout, region, body, (*STATE_NAMES, ROW_NAMES, ROW_NAMES, SCALAR, SCALAR,
+                                          SCALAR, SCALAR, SCALAR), STATE_NAMES)
+
+
 def generate_fn(layout: Layout, region: Region) -> Callable:
     """``(params, cache, prompts [B,T], lengths [B], rows [B], n_new, seed_key, SamplerArgs,
     stop_ids [S]) -> (tokens [B,L], generated [B])``: see :func:`generate`."""
-    # the axes rows are split over: what a per-row carry of the loop varies over
-    row_axes = () if region.global_view else entry_axes(layout.activation_rules["batch"])
-    body = partial(generate, vocab_size=layout.cfg.model.vocab_size, row_axes=row_axes)
+    body = partial(generate, vocab_size=layout.cfg.model.vocab_size,
+                   row_axes=_row_axes(layout, region))
     return on_mesh(layout, region, body,
                    (CACHE_NAMES, TOKEN_NAMES, ROW_NAMES, ROW_NAMES, SCALAR, SCALAR, SCALAR,
                     SCALAR), (TOKEN_NAMES, ROW_NAMES))

@@ -37,6 +37,21 @@ class Generation:
     prompt_tokens: list[np.ndarray]
 
 
+@dataclass(frozen=True)
+class Request:
+    """One batch of prompts, checked, bucketed and placed on the mesh."""
+
+    rows: list[list[int]]
+    length: int  # the cache length bucket
+    max_new_tokens: int
+    stop_tokens: tuple[int, ...]
+    prompts: jax.Array   # [B, T] right-padded
+    lengths: jax.Array   # [B]
+    row_ids: jax.Array   # [B] global row indices (per-row sampling keys)
+    seed_key: jax.Array
+    stop_ids: jax.Array  # [MAX_STOP_TOKENS], -1 padded
+
+
 class Tokenizer:
     """Byte-level (vocab 256, the byte presets) or a HuggingFace ``tokenizer.json``."""
 
@@ -73,6 +88,7 @@ class Generator:
         decode.check_decodable(layout)
         self.layout, self.region = layout, region
         self.fn = decode.generate_fn(layout, region)
+        self.streaming = None  # (start, extend), compiled on the first stream()
         self.tokenizer = Tokenizer(layout.cfg)
 
     def prompt_rows(self, prompts) -> list[list[int]]:
@@ -97,8 +113,9 @@ class Generator:
                 raise ValueError(f"prompt {i} has token ids outside [0, model.vocab_size={vocab})")
         return rows
 
-    def __call__(self, params, prompts, *, max_new_tokens: int, sampler: SamplerArgs,
-                 seed: int = 0, stop_tokens: Sequence[int] = ()) -> Generation:
+    def request(self, prompts, *, max_new_tokens: int, seed: int = 0,
+                stop_tokens: Sequence[int] = ()) -> Request:
+        """Check and place one batch of prompts (right-padded into its length buckets)."""
         rows = self.prompt_rows(prompts)
         cap = self.layout.cfg.model.max_seq_len
         longest = max(len(r) for r in rows)
@@ -121,15 +138,48 @@ class Generator:
         stops[: len(stop_tokens)] = list(stop_tokens)
         lo = self.layout
         row_sharding = named(lo.mesh, lo.activation_rules.spec(decode.ROW_NAMES))
-        out, made = self.fn(params, decode.init_cache(lo, n, length),
-                            jax.device_put(padded, lo.batch_sharding),
-                            jax.device_put(lengths, row_sharding),
-                            jax.device_put(np.arange(n, dtype=np.int32), row_sharding),
-                            jnp.int32(max_new_tokens), jax.random.PRNGKey(seed), sampler,
-                            jnp.asarray(stops))
-        out, made = np.asarray(out), np.asarray(made)
-        new = [out[i, len(r): len(r) + made[i]] for i, r in enumerate(rows)]
-        stop = set(stop_tokens)
+        return Request(rows=rows, length=length, max_new_tokens=max_new_tokens,
+                       stop_tokens=tuple(stop_tokens),
+                       prompts=jax.device_put(padded, lo.batch_sharding),
+                       lengths=jax.device_put(lengths, row_sharding),
+                       row_ids=jax.device_put(np.arange(n, dtype=np.int32), row_sharding),
+                       seed_key=jax.random.PRNGKey(seed), stop_ids=jnp.asarray(stops))
+
+    def __call__(self, params, prompts, *, max_new_tokens: int, sampler: SamplerArgs,
+                 seed: int = 0, stop_tokens: Sequence[int] = ()) -> Generation:
+        req = self.request(prompts, max_new_tokens=max_new_tokens, seed=seed,
+                           stop_tokens=stop_tokens)
+        out, made = self.fn(params, decode.init_cache(self.layout, len(req.row_ids), req.length),
+                            req.prompts, req.lengths, req.row_ids, jnp.int32(max_new_tokens),
+                            req.seed_key, sampler, req.stop_ids)
+        return self.result(req, np.asarray(out), np.asarray(made))
+
+    def stream(self, params, prompts, *, max_new_tokens: int, sampler: SamplerArgs,
+               seed: int = 0, stop_tokens: Sequence[int] = (), chunk: int = 16):
+        """Yield a :class:`Generation` of the tokens so far after the first token and after every
+        ``chunk`` more (each chunk one compiled loop call; the same tokens as one call)."""
+        if self.streaming is None:
+            self.streaming = (decode.start_fn(self.layout, self.region),
+                              decode.extend_fn(self.layout, self.region))
+        start, extend = self.streaming
+        req = self.request(prompts, max_new_tokens=max_new_tokens, seed=seed,
+                           stop_tokens=stop_tokens)
+        state = start(params, decode.init_cache(self.layout, len(req.row_ids), req.length),
+                      req.prompts, req.lengths, req.row_ids, req.seed_key, sampler, req.stop_ids)
+        made = 1
+        while True:
+            yield self.result(req, np.asarray(state[1]), np.asarray(state[4]))
+            if made >= max_new_tokens or bool(np.asarray(state[3])[: len(req.rows)].all()):
+                return
+            last = min(made + chunk, max_new_tokens)
+            state = extend(params, *state, req.lengths, req.row_ids, jnp.int32(made),
+                           jnp.int32(last), req.seed_key, sampler, req.stop_ids)
+            made = last
+
+    def result(self, req: Request, out: np.ndarray, made: np.ndarray) -> Generation:
+        new = [out[i, len(r): len(r) + made[i]] for i, r in enumerate(req.rows)]
+        stop = set(req.stop_tokens)
         text = [self.tokenizer.decode(x[:-1] if len(x) and int(x[-1]) in stop else x)
                 for x in new]
-        return Generation(tokens=new, text=text, prompt_tokens=[np.asarray(r) for r in rows])
+        return Generation(tokens=new, text=text,
+                          prompt_tokens=[np.asarray(r) for r in req.rows])
