@@ -22,18 +22,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import force_cpu_devices, git_state  # noqa: E402
+from common import force_cpu_devices, git_state
 
 force_cpu_devices(8)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jaxtp  # noqa: E402
-from jaxtp import decode  # noqa: E402
-from jaxtp.sampling import SamplerArgs  # noqa: E402
-from jaxtp.sharding import named  # noqa: E402
+import jaxtp
+from jaxtp import decode
+from jaxtp.sampling import SamplerArgs
+from jaxtp.sharding import named
 
 SHAPES = {"tiny": ("tiny", {}), "gpt2-small": ("gpt2-small", {})}
 

@@ -42,6 +42,7 @@ from jaxtp.sampling import SamplerArgs
 from jaxtp.train import Trainer
 from jaxtp.validate import batch_shards, check_sequence
 
+
 def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 

@@ -53,26 +53,35 @@ class Request:
 
 
 class Tokenizer:
-    """Byte-level (vocab 256, the byte presets) or a HuggingFace ``tokenizer.json``."""
+    """Byte-level (vocab 256, the byte presets), or the run's HuggingFace BPE: the
+    ``data.tokenizer_path`` file, or the one training cached in the run directory
+    (``bpe-<vocab>.json``). Without one, prompts must be token ids and there is no text."""
 
     def __init__(self, cfg):
-        self.hf = None
-        if cfg.data.tokenizer == "bpe":
-            if not cfg.data.tokenizer_path:
-                raise ConfigError("the model's tokenizer is a BPE trained on its corpus; pass token "
-                                  "ids, or set data.tokenizer_path to its tokenizer.json")
+        self.hf, self.byte = None, cfg.data.tokenizer == "byte"
+        if not self.byte:
+            from pathlib import Path
+
             from tokenizers import Tokenizer as HFTokenizer
-            self.hf = HFTokenizer.from_file(cfg.data.tokenizer_path)
+            cached = Path(cfg.train.out_dir) / f"bpe-{cfg.model.vocab_size}.json"
+            path = Path(cfg.data.tokenizer_path).expanduser() if cfg.data.tokenizer_path else cached
+            if path.is_file():
+                self.hf = HFTokenizer.from_file(str(path))
 
     def encode(self, text: str) -> list[int]:
         if self.hf is not None:
             return self.hf.encode(text).ids
+        if not self.byte:
+            raise ConfigError("the model's BPE tokenizer was not found (data.tokenizer_path, or "
+                              "bpe-<vocab>.json in the run directory): pass token ids")
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids) -> str | None:
         ids = [int(i) for i in ids]
         if self.hf is not None:
             return self.hf.decode(ids)
+        if not self.byte:
+            return None
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
@@ -94,9 +103,7 @@ class Generator:
     def prompt_rows(self, prompts) -> list[list[int]]:
         """A string, a list of strings, a 1-D token array / list, a list of them or a 2-D array
         -> a list of token-id lists (each checked)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        elif isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 1:
+        if isinstance(prompts, str) or isinstance(prompts, np.ndarray | jax.Array) and np.ndim(prompts) == 1:
             prompts = [prompts]
         elif (isinstance(prompts, Sequence) and prompts and not isinstance(prompts[0], str)
               and np.ndim(prompts[0]) == 0):
@@ -181,5 +188,5 @@ class Generator:
         stop = set(req.stop_tokens)
         text = [self.tokenizer.decode(x[:-1] if len(x) and int(x[-1]) in stop else x)
                 for x in new]
-        return Generation(tokens=new, text=text,
+        return Generation(tokens=new, text=None if None in text else text,
                           prompt_tokens=[np.asarray(r) for r in req.rows])

@@ -66,7 +66,7 @@ def test_text_metrics(successor_model, tmp_path):
     shuffled.write_text("".join(rng.permutation(list(counting.read_text()))))
     good = evaluate.evaluate(successor_model, counting)
     bad = evaluate.evaluate(successor_model, shuffled)
-    assert good["loss"] < 0.5 < 3.0 < bad["loss"]
+    assert good["loss"] < 0.5 and bad["loss"] > 3.0
     assert good["bits_per_byte"] == pytest.approx(good["loss"] / math.log(2)
                                                  * good["tokens"] / good["bytes"])
     assert good["perplexity"] == pytest.approx(math.exp(good["loss"]))
@@ -85,6 +85,7 @@ def _jaxtp(*args):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "jaxtp", *args], capture_output=True, text=True,
+                          check=False,
                           env=env, timeout=600, cwd=ROOT)
 
 
