@@ -197,6 +197,10 @@ def test_errors():
         model.generate([""], max_new_tokens=4)
     with pytest.raises(ValueError, match="vocab_size"):
         model.generate([[300]], max_new_tokens=4)
-    piped = jaxtp.Model(jaxtp.config("tiny", {"parallel.pipeline": 2, "parallel.data": 4}))
-    with pytest.raises(ConfigError, match="pipeline"):
-        piped.generate("Hi", max_new_tokens=2)
+    for refused, word in [({"parallel.pipeline": 2, "parallel.data": 4}, "pipeline"),
+                          ({"parallel.context": 2, "parallel.data": 4}, "context"),
+                          ({"parallel.model": 2, "parallel.sequence_parallel": True},
+                           "sequence_parallel")]:
+        other = jaxtp.Model(jaxtp.config("tiny", refused))
+        with pytest.raises(ConfigError, match=word):
+            other.generate("Hi", max_new_tokens=2)
