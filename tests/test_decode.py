@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxtp
-from jaxtp import decode, hlo
+from jaxtp import decode, engine, hlo
 from jaxtp.config import ConfigError
 from jaxtp.generate import Generator
 from jaxtp.sampling import SamplerArgs, filter_logits, row_keys, sample
@@ -161,13 +161,22 @@ def test_sampler_filters():
         SamplerArgs.make(top_p=0.0)
 
 
+def _layout(mode, data, model, **extra):
+    cfg = jaxtp.config("tiny", {"parallel.mode": mode, "parallel.data": data,
+                                "parallel.model": model, "model.max_seq_len": 32, **extra})
+    return engine.build(cfg, jax.devices()[: data * model], training=False)
+
+
 def _step_collectives(mode, n_layers, rows):
-    model = _model(mode, 2, 4, **{"model.n_layers": n_layers})
-    lo = model.layout
-    cache = decode.init_cache(lo, rows, 16)
-    tok = jnp.zeros((rows,), jnp.int32)
-    text = decode.step_fn(lo, model.engine.region).lower(
-        model.params, cache, tok, tok).compile().as_text()
+    """The decode step compiled from abstract inputs (nothing allocated)."""
+    e = _layout(mode, 2, 4, **{"model.n_layers": n_layers})
+    lo = e.layout
+    m = lo.cfg.model
+    cache = jax.ShapeDtypeStruct((n_layers, rows, 16, m.n_kv_heads, m.resolved_head_dim),
+                                 jnp.float32, sharding=decode.cache_sharding(lo))
+    tok = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    text = decode.step_fn(lo, e.region).lower(
+        lo.abstract_params_sharded(), (cache, cache), tok, tok).compile().as_text()
     return hlo.collectives(text, lo.degrees)
 
 
@@ -201,6 +210,6 @@ def test_errors():
                           ({"parallel.context": 2, "parallel.data": 4}, "context"),
                           ({"parallel.model": 2, "parallel.sequence_parallel": True},
                            "sequence_parallel")]:
-        other = jaxtp.Model(jaxtp.config("tiny", refused))
+        e = engine.build(jaxtp.config("tiny", refused), training=False)
         with pytest.raises(ConfigError, match=word):
-            other.generate("Hi", max_new_tokens=2)
+            Generator(e.layout, e.region)
