@@ -6,6 +6,7 @@ Everything a training script or notebook needs, without reaching into the machin
     cfg = jaxtp.config("tiny", {"parallel.data": 2, "parallel.model": 4})
     model = jaxtp.Model(cfg, seed=0)            # random init, sharded on the mesh
     logits = model.logits(tokens)               # [B, S, vocab_size], any layout
+    out = model.generate("Once", max_new_tokens=20, temperature=0.8, top_p=0.9)  # KV cache
     losses = model.token_losses(inputs, targets)  # [B, S] fp32
     model.save("runs/start")                    # params-only checkpoint a run can start from
     model = jaxtp.Model.from_run("runs/x")      # the latest checkpoint of a run (params only)
@@ -35,9 +36,12 @@ from jaxtp.check_values import validate_model
 from jaxtp.checkpoint import Checkpointer
 from jaxtp.config import Config, ConfigError
 from jaxtp.engine import Engine, build
+from jaxtp.generate import Generator
 from jaxtp.run_dir import read_run_config, write_run_config
+from jaxtp.sampling import SamplerArgs
 from jaxtp.train import Trainer
 from jaxtp.validate import batch_shards, check_sequence
+
 
 def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
@@ -183,6 +187,19 @@ class Model:
         padded = {k: jax.device_put(np.pad(v, ((0, rows - b), (0, seq - s))), lo.batch_sharding)
                   for k, v in batch.items()}
         return self._compiled(kind)(self.params, padded)[:b, :s]
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=()):
+        """Continue ``prompts`` (a string, strings, or token-id arrays of any lengths) with a KV
+        cache on this layout (:mod:`jaxtp.decode`); ``temperature=0`` is greedy. Returns a
+        :class:`jaxtp.generate.Generation`: ``.tokens`` (new ids per prompt), ``.text``."""
+        if "generator" not in self._fns:
+            self._fns["generator"] = Generator(self.layout, self.engine.region)
+        return self._fns["generator"](
+            self.params, prompts, max_new_tokens=max_new_tokens, seed=seed,
+            stop_tokens=stop_tokens,
+            sampler=SamplerArgs.make(temperature=temperature, top_k=top_k, top_p=top_p))
 
     # ---- saving -------------------------------------------------------------------------------
     def save(self, run_dir: str | Path) -> Path:

@@ -1,6 +1,7 @@
-"""``jaxtp train | inspect | plan`` (also ``python -m jaxtp``).
+"""``jaxtp train | inspect | plan | sample | eval`` (also ``python -m jaxtp``).
 
-Every verb takes ``--config NAME`` (a preset) and dotted ``section.field=value`` overrides, e.g.
+``sample`` and ``eval`` load a run directory (``--run``: what ``jaxtp train`` or ``Model.save``
+writes) with optional ``parallel.*`` overrides. The other verbs take ``--config NAME`` (a preset) and dotted ``section.field=value`` overrides, e.g.
 ``jaxtp inspect --config tiny parallel.data=2 parallel.model=4``.
 """
 
@@ -88,6 +89,35 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("overrides", nargs="*", metavar="key=value",
                     help="config overrides; parallel.<field>=V / train.microbatches=V pin that "
                          "choice; hardware.FIELD=V changes the hardware")
+    def run_verb(sub):
+        sub.add_argument("--run", required=True, metavar="RUN_DIR",
+                         help="a run directory (jaxtp train's train.out_dir, or Model.save's)")
+        sub.add_argument("--devices", type=int, default=None,
+                         help="simulate N CPU devices (default: accelerators if any, else 8 CPU "
+                              "devices)")
+        sub.add_argument("overrides", nargs="*", metavar="parallel.field=value",
+                         help="another layout to load the run on, e.g. parallel.model=4")
+
+    sa = verbs.add_parser("sample", help="generate text from a trained run (KV-cache decode on "
+                                         "the run's layout); streams the prompt's "
+                                         "continuation (several prompts: printed at the end)")
+    run_verb(sa)
+    sa.add_argument("--prompt", required=True, action="append",
+                    help="prompt text (repeat for a batch of prompts)")
+    sa.add_argument("--max-new-tokens", type=int, default=64)
+    sa.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    sa.add_argument("--top-k", type=int, default=0, help="0: off")
+    sa.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    sa.add_argument("--seed", type=int, default=0)
+
+    ev = verbs.add_parser("eval", help="held-out loss / perplexity / bits per byte of a text "
+                                       "file, or multiple-choice accuracy of a .jsonl file")
+    run_verb(ev)
+    ev.add_argument("--data", required=True, metavar="PATH",
+                    help='a text file, or a .jsonl of {"context", "choices", "answer"} items')
+    ev.add_argument("--max-tokens", type=int, default=None,
+                    help="score at most this many tokens of a text file")
+    ev.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     _hf_verbs(verbs)
     return p
 
@@ -179,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                                    activations=args.activations, runnable=args.runnable,
                                    use_devices=_use_devices))
             return 0
+        if args.verb in ("sample", "eval"):
+            _use_devices(args.devices)
+            return _run_verb(args)
         cfg = _config(args)
         _use_devices(args.devices)
         distributed.initialize(coordinator=args.coordinator, num_processes=args.num_processes,
@@ -221,6 +254,64 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxtp: error: {e}", file=sys.stderr)
         return 3
     return 1
+
+
+def _load_run(args):
+    """The run's model, on as many devices as its layout names (all, when one degree is
+    inferred)."""
+    import math
+
+    from jaxtp.api import Model, run_config
+
+    par = run_config(args.run, args.overrides).parallel
+    degrees = [par.pipeline, par.data, par.fsdp, par.context, par.expert, par.model]
+    n = len(jax.devices()) if -1 in degrees else math.prod(degrees)
+    return Model.from_run(args.run, args.overrides, devices=jax.devices()[:n])
+
+
+def _sample(model, args) -> None:
+    """Stream one prompt's continuation as it is made (a chunk of tokens per compiled call);
+    print several prompts' continuations when the batch is done."""
+    from jaxtp.generate import Generator
+    from jaxtp.sampling import SamplerArgs
+
+    try:
+        sampler = SamplerArgs.make(temperature=args.temperature, top_k=args.top_k,
+                                   top_p=args.top_p)
+        chunks = Generator(model.layout, model.engine.region).stream(
+            model.params, args.prompt, max_new_tokens=args.max_new_tokens, sampler=sampler,
+            seed=args.seed)
+        if len(args.prompt) > 1:
+            *_, last = chunks
+            for prompt, text in zip(args.prompt, last.text):
+                print(prompt + text)
+            return
+        print(args.prompt[0], end="", flush=True)
+        shown = ""
+        for part in chunks:
+            text = part.text[0].rstrip("\ufffd")  # an unfinished UTF-8 character: wait
+            print(text[len(shown):], end="", flush=True)
+            shown = text
+        print(part.text[0][len(shown):])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _run_verb(args) -> int:
+    model = _load_run(args)
+    if args.verb == "sample":
+        _sample(model, args)
+        return 0
+    from jaxtp import evaluate
+
+    metrics = evaluate.evaluate(model, args.data, max_tokens=args.max_tokens,
+                                progress=sys.stderr.isatty() or not args.json)
+    if args.json:
+        print(json.dumps(metrics, indent=2))
+    else:
+        for k, v in metrics.items():
+            print(f"{k:>14}: {v:.4f}" if isinstance(v, float) else f"{k:>14}: {v}")
+    return 0
 
 
 if __name__ == "__main__":

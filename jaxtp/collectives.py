@@ -66,6 +66,17 @@ def max_over_model(x: jax.Array, axis: str = MODEL) -> jax.Array:
     return jax.lax.pmax(jax.lax.stop_gradient(x), axis)
 
 
+def gather_vocab(x: jax.Array, axis: str = MODEL) -> jax.Array:
+    """All-gather of the vocab shards of ``x [B,V/t]`` over ``axis``, as an all-reduce of each
+    shard placed in zeros, so the result is invariant over ``axis`` (every rank samples the same
+    token). ``[B,V/t]{V_model} -> [B,V]``; decode only (no gradient is taken)."""
+    local = x.shape[-1]
+    start = jax.lax.axis_index(axis) * local
+    full = jax.numpy.zeros((*x.shape[:-1], local * jax.lax.axis_size(axis)), x.dtype)
+    full = jax.lax.dynamic_update_slice_in_dim(full, x, start, axis=x.ndim - 1)
+    return jax.lax.psum(full, axis)
+
+
 def data_parallel_params(params, axes: tuple[str, ...]):
     """Mark replicated parameters as feeding every data-parallel rank.
 

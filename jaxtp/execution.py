@@ -99,6 +99,10 @@ class LocalOps:
     def vocab_start(self, local_vocab: int):
         return 0
 
+    def gather_vocab(self, x):
+        """Vocab-sharded logits ``[B,V/t] -> [B,V]`` on every TP rank (decode's sampler)."""
+        return x
+
     layer_specs = None  # one layer's parameter specs when ZeRO-3 shards them
 
     @property
@@ -189,6 +193,9 @@ class GSPMDOps(LocalOps):
         # pinning it split along the sequence (SP) makes it reduce-scatter.
         return self.constrain(x, "batch", "residual_seq", "embed")
 
+    def gather_vocab(self, x):
+        return self.constrain(x, "batch", None)
+
 
 @dataclass(frozen=True)
 class ExplicitOps(LocalOps):
@@ -229,3 +236,6 @@ class ExplicitOps(LocalOps):
 
     def vocab_start(self, local_vocab: int):
         return jax.lax.axis_index(self.tp_axis) * local_vocab
+
+    def gather_vocab(self, x):
+        return collectives.gather_vocab(x, self.tp_axis)

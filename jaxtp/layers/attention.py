@@ -74,6 +74,14 @@ class Attention(nnx.Module):
         self.attention_impl = None if cfg.attention_impl == "default" else cfg.attention_impl
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ops) -> jax.Array:
+        q, k, v = self.project_qkv(x, rope, ops)
+        o = ops.attention(q, k, v, self.attention_impl)                      # (B, S, N, H)
+        return self.project_out(o, ops)
+
+    def project_qkv(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ops
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``f`` and the column-parallel projection: ``x [B,S,D] -> q [B,S,N,H], k, v [B,S,K,H]``
+        (RoPE applied to q and k). Decode (:mod:`jaxtp.decode`) stores k and v in its cache."""
         cdt = self.compute_dtype
         h = ops.copy_to_model(x).astype(cdt)                                   # f; (B, S, D)
         qkv = jnp.einsum("bsd,dkgh->bskgh", h, self.w_qkv[...].astype(cdt))  # (B, S, K, G+2, H)
@@ -89,7 +97,10 @@ class Attention(nnx.Module):
         q = ops.constrain(apply_rope(q, *rope), "batch", "seq", "heads", "head_dim")
         k = ops.constrain(apply_rope(k, *rope), "batch", "seq", "kv_heads", "head_dim")
         v = ops.constrain(v, "batch", "seq", "kv_heads", "head_dim")
-        o = ops.attention(q, k, v, self.attention_impl)                      # (B, S, N, H)
+        return q, k, v
+
+    def project_out(self, o: jax.Array, ops) -> jax.Array:
+        """The row-parallel output projection and ``g``: ``o [B,S,N,H] -> [B,S,D]``."""
         o = ops.constrain(o, "batch", "seq", "heads", "head_dim")
-        out = jnp.einsum("bsnh,nhd->bsd", o, self.wo[...].astype(cdt))        # (B, S, D){U_model}
-        return ops.reduce_from_model(out)                                     # g
+        out = jnp.einsum("bsnh,nhd->bsd", o, self.wo[...].astype(self.compute_dtype))
+        return ops.reduce_from_model(out)                                     # g; {U_model} -> D
