@@ -15,13 +15,21 @@ With every pass one tick, GPipe and 1F1B take ``2 (m + p - 1)`` ticks for ``m`` 
 ``p`` stages (bubble fraction ``(p - 1) / (m + p - 1)``), interleaving ``2 (v m + p - 1)`` ticks of
 ``1/v``-sized passes (bubble ``(p - 1) / (v m + p - 1)``). 1F1B keeps at most ``p - s``
 micro-batches of activations in flight on stage ``s``, GPipe all ``m``.
+
+ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3) splits each backward into the
+input-gradient pass ``B`` (needed upstream at once) and the weight-gradient pass ``W`` (needed only
+by the optimizer), three one-tick passes per micro-batch and stage. ``W(k, i)`` needs
+``B(k, i)``. Stage ``s`` warms up with ``p - s`` forwards, then repeats ``B, W, F`` with its first
+``s`` ``W`` s deferred to the cool-down, where they fill 1F1B's drain bubble: ``3 m + p - 1``
+ticks, bubble ``(p - 1) / (3 m + p - 1)`` (the paper's ``(p - 1)(T_F + T_B - T_W)`` at equal
+pass times), at most ``p`` micro-batches in flight on every stage (1F1B's peak, on stage 0).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
 
 
 class ScheduleError(ValueError):
@@ -32,7 +40,7 @@ class ScheduleError(ValueError):
 class Pass:
     """One forward or backward pass of one micro-batch through one model stage."""
 
-    kind: str        # "F" or "B"
+    kind: str        # "F", "B" (input gradient, or the whole backward) or "W" (weight gradient)
     stage: int       # model stage, 0 .. p * v - 1
     microbatch: int
 
@@ -46,7 +54,7 @@ class Tick:
     chunk: int       # virtual stage on this device (0 unless interleaved)
     stage: int       # model stage = chunk * p + device
     microbatch: int
-    kind: str        # "F" or "B"
+    kind: str        # "F", "B" or "W"
 
 
 @dataclass(frozen=True)
@@ -66,27 +74,37 @@ class Schedule:
         """Idle device-ticks over all device-ticks, from the table."""
         return 1.0 - len(self.table) / (self.ticks * self.p)
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward is two passes, ``B`` (input gradient) and ``W`` (weight
+        gradient), as in ZB-H1."""
+        return any(t.kind == "W" for t in self.table)
+
     def in_flight(self, device: int) -> int:
-        """Most micro-batch chunks whose forward ran on ``device`` and whose backward did not yet:
-        the activations the device must hold at its peak."""
+        """Most micro-batch chunks whose forward ran on ``device`` and whose backward (its ``W``
+        when split) did not yet: the activations the device must hold at its peak."""
+        last = "W" if self.split_backward else "B"
         live = peak = 0
         for t in sorted((t for t in self.table if t.device == device), key=lambda t: t.tick):
-            live += 1 if t.kind == "F" else -1
+            live += {"F": 1, last: -1}.get(t.kind, 0)
             peak = max(peak, live)
         return peak
 
-    def lockstep_time(self, forward: float = 1.0, backward: float = 3.0) -> float:
+    def lockstep_time(self, forward: float = 1.0, backward: float = 3.0,
+                      weight: float | None = None) -> float:
         """Step time when every tick lasts as long as its slowest pass, as in jaxtp's runtime
         (:mod:`jaxtp.pipeline`: one pass per rank per tick, then the transfers): a tick costs
         ``backward`` if any rank runs a B in it, ``forward`` if only F s, per chunk (``/ v``).
         The default 1 : 3 is jaxtp's B, which recomputes the stage forward before its backward.
         Compare ``m * (forward + backward)``, one rank's busy time: GPipe's ticks
         are all-F or all-B and meet the textbook bubble; 1F1B's steady state mixes F on some
-        ranks with B on others, so most of its ticks cost a B."""
-        kinds: dict[int, set[str]] = {}
+        ranks with B on others, so most of its ticks cost a B. ZB-H1's ``W`` costs ``weight``
+        (default ``backward``)."""
+        cost = {"F": forward, "B": backward, "W": backward if weight is None else weight}
+        ticks: dict[int, float] = {}
         for t in self.table:
-            kinds.setdefault(t.tick, set()).add(t.kind)
-        return sum(backward if "B" in k else forward for k in kinds.values()) / self.v
+            ticks[t.tick] = max(ticks.get(t.tick, 0.0), cost[t.kind])
+        return sum(ticks.values()) / self.v
 
     def grid(self) -> list[list[str]]:
         """``[device][tick]`` labels (``F3``, ``B0``, ``.`` idle; interleaved adds the chunk,
@@ -104,16 +122,30 @@ def textbook_bubble(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def zero_bubble_h1_bubble(p: int, m: int) -> float:
+    """Qi et al. 2023: ZB-H1's bubble ``(p - 1)(T_F + T_B - T_W)`` at ``T_F = T_B = T_W``, as a
+    fraction of the whole step of ``3 m + p - 1`` pass times: ``(p - 1) / (3 m + p - 1)``."""
+    return (p - 1) / (3 * m + p - 1)
+
+
+def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The papers' bubble fraction of schedule ``name``."""
+    return zero_bubble_h1_bubble(p, m) if name == "zb1" else textbook_bubble(p, m, v)
+
+
 def lockstep_ticks(name: str, p: int, m: int, v: int = 1) -> tuple[int, int]:
-    """(ticks in which only forward passes run, ticks in which some rank runs a backward) of
+    """(ticks in which only forward passes run, ticks in which some rank runs a backward: a
+    ``B``, or ZB-H1's ``W``) of
     :func:`build`'s table, in closed form (``tests/test_schedules.py`` checks it against the
     simulated tables): GPipe ``m + p - 1`` of each; 1F1B and interleaved ``2 (v m + p - 1)`` ticks
     of which the first ``v p`` are forward-only (the warm-up: after it every tick carries a
-    backward on some rank), for ``p >= 2``.
+    backward on some rank), for ``p >= 2``; ZB-H1 ``3 m + p - 1`` of which the first ``p``.
     ``Schedule.lockstep_time(F, B) == (nf * F + nb * B) / v``."""
     check(name, p, m, v)
     if name == "gpipe":
         return m + p - 1, m + p - 1
+    if name == "zb1":
+        return (m, 2 * m) if p == 1 else (p, 3 * m - 1)
     if p == 1:  # one stage: its forwards and backwards alternate, one per tick
         return v * m, v * m
     ticks = 2 * (v * m + p - 1)
@@ -123,9 +155,11 @@ def lockstep_ticks(name: str, p: int, m: int, v: int = 1) -> tuple[int, int]:
 def lockstep_factor(name: str, p: int, m: int, v: int = 1, backward: float = 3.0) -> float:
     """jaxtp's pipelined step over one rank's busy time, ``m (F + B)``, with ``B = backward * F``:
     ``(m + p - 1) / m`` for GPipe (the textbook bubble), more for 1F1B and interleaved, whose
-    steady-state ticks last a backward on every rank (1.5 for 1F1B as m grows, at B = 3F)."""
+    steady-state ticks last a backward on every rank (1.5 for 1F1B as m grows, at B = 3F).
+    ZB-H1 runs the backward as two passes, each taken as ``backward / 2``."""
     nf, nb = lockstep_ticks(name, p, m, v)
-    return (nf + backward * nb) / v / (m * (1.0 + backward))
+    per_tick = backward / 2 if name == "zb1" else backward
+    return (nf + per_tick * nb) / v / (m * (1.0 + backward))
 
 
 def check(name: str, p: int, m: int, v: int = 1) -> None:
@@ -136,6 +170,9 @@ def check(name: str, p: int, m: int, v: int = 1) -> None:
         raise ScheduleError(f"pipeline={p}, microbatches={m}, virtual_stages={v}: must be >= 1")
     if name != "interleaved" and v != 1:
         raise ScheduleError(f"virtual_stages={v} needs pipeline_schedule=interleaved (got {name})")
+    if name == "zb1" and m < p:
+        raise ScheduleError(f"zb1 schedule: microbatches={m} is fewer than pipeline={p} stages; "
+                            f"use microbatches >= {p} (or pipeline_schedule=gpipe)")
     if name == "interleaved" and m % p:
         raise ScheduleError(f"interleaved schedule: microbatches={m} must be a multiple of "
                             f"pipeline={p} (micro-batches go through the chunks in groups of p)")
@@ -157,6 +194,8 @@ def device_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Pass]]:
             order += [Pass("B", s, j) for j in range(m - warm, m)]
             orders.append(order)
         return orders
+    if name == "zb1":
+        return _zb1_orders(p, m)
     # interleaved: the device's n = m * v forward units go micro-batch group by group (p at a
     # time), chunk 0 .. v-1 within a group; backward units the same with the chunks reversed.
     orders = []
@@ -185,6 +224,38 @@ def device_orders(name: str, p: int, m: int, v: int = 1) -> list[list[Pass]]:
     return orders
 
 
+def _zb1_orders(p: int, m: int) -> list[list[Pass]]:
+    """ZB-H1: stage ``s`` runs ``p - s`` warm-up forwards, then per micro-batch ``j`` its input
+    gradient ``B(j)``, a weight gradient (``W(j - s)``: the first ``s`` are deferred to the
+    cool-down) and the next forward; the deferred ``W`` s last. In flight: ``p`` on every stage."""
+    orders = []
+    for s in range(p):
+        warm = min(p - s, m)
+        order = [Pass("F", s, i) for i in range(warm)]
+        for j in range(m):
+            order.append(Pass("B", s, j))
+            if j >= s:
+                order.append(Pass("W", s, j - s))
+            if warm + j < m:
+                order.append(Pass("F", s, warm + j))
+        order += [Pass("W", s, j) for j in range(max(m - s, 0), m)]
+        orders.append(order)
+    return orders
+
+
+def dependencies(op: Pass, n_stages: int) -> list[Pass]:
+    """The passes ``op`` reads the results of: ``F(k - 1, i)`` for a forward; ``F(k, i)`` and
+    ``B(k + 1, i)`` for a backward; ``B(k, i)`` for a weight gradient."""
+    if op.kind == "F":
+        return [Pass("F", op.stage - 1, op.microbatch)] if op.stage else []
+    if op.kind == "W":
+        return [Pass("B", op.stage, op.microbatch)]
+    deps = [Pass("F", op.stage, op.microbatch)]
+    if op.stage < n_stages - 1:
+        deps.append(Pass("B", op.stage + 1, op.microbatch))
+    return deps
+
+
 def simulate(name: str, orders: list[list[Pass]], p: int, m: int, v: int = 1) -> Schedule:
     """Run per-device orders against the pipeline's dependencies, one pass per device per tick."""
     n_stages = p * v
@@ -199,13 +270,7 @@ def simulate(name: str, orders: list[list[Pass]], p: int, m: int, v: int = 1) ->
             if pos[d] == len(orders[d]):
                 continue
             op = orders[d][pos[d]]
-            if op.kind == "F":
-                deps = [Pass("F", op.stage - 1, op.microbatch)] if op.stage else []
-            else:
-                deps = [Pass("F", op.stage, op.microbatch)]
-                if op.stage < n_stages - 1:
-                    deps.append(Pass("B", op.stage + 1, op.microbatch))
-            if all(done.get(x, tick) < tick for x in deps):
+            if all(done.get(x, tick) < tick for x in dependencies(op, n_stages)):
                 ran.append((d, op))
         if not ran:  # nothing new becomes ready later either: the orders deadlock
             raise ScheduleError(f"{name}: the device orders deadlock at tick {tick}")
@@ -222,7 +287,7 @@ def check_pipeline(name: str, p: int, m: int, v: int = 1) -> None:
     """Raise :class:`ScheduleError` (a ``ValueError``) for a combination the runtime does not run:
     the schedule's own checks, plus 1F1B / interleaved with fewer micro-batches than stages."""
     check(name, p, m, v)
-    if name in ("1f1b", "interleaved") and m < p:
+    if name in ("1f1b", "interleaved", "zb1") and m < p:
         raise ScheduleError(f"{name} schedule: microbatches={m} is fewer than pipeline={p} stages, "
                             f"so the pipeline never reaches its steady state; use microbatches "
                             f">= {p} (or pipeline_schedule=gpipe)")
@@ -238,6 +303,6 @@ def format_grid(s: Schedule) -> str:
     grid = s.grid()
     width = max(len(c) for row in grid for c in row)
     lines = [f"{s.name}: p={s.p} m={s.m} v={s.v}, {s.ticks} ticks, bubble "
-             f"{s.bubble_fraction:.3f} (textbook {textbook_bubble(s.p, s.m, s.v):.3f})"]
+             f"{s.bubble_fraction:.3f} (formula {formula_bubble(s.name, s.p, s.m, s.v):.3f})"]
     lines += [f"dev {d}: " + " ".join(c.rjust(width) for c in row) for d, row in enumerate(grid)]
     return "\n".join(lines)

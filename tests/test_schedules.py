@@ -16,7 +16,7 @@ def _valid(s):
     """Every pass exactly once; each device runs at most one pass per tick; dependencies hold."""
     n_stages = s.p * s.v
     ran = {(t.kind, t.stage, t.microbatch): t for t in s.table}
-    assert len(ran) == len(s.table) == 2 * s.m * n_stages
+    assert len(ran) == len(s.table) == (3 if s.split_backward else 2) * s.m * n_stages
     assert len({(t.device, t.tick) for t in s.table}) == len(s.table)
     for t in s.table:
         assert t.device == t.stage % s.p and t.chunk == t.stage // s.p
@@ -26,6 +26,8 @@ def _valid(s):
             assert ran[("F", t.stage, t.microbatch)].tick < t.tick
             if t.stage < n_stages - 1:
                 assert ran[("B", t.stage + 1, t.microbatch)].tick < t.tick
+        if t.kind == "W":
+            assert ran[("B", t.stage, t.microbatch)].tick < t.tick
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -57,6 +59,25 @@ def test_interleaved_textbook(p, m, v):
     assert s.in_flight(0) == min(2 * (p - 1) + (v - 1) * p + 1, m * v)
 
 
+@pytest.mark.parametrize("p, m", [(p, m) for p, m in CASES if m >= p] + [(3, 5), (4, 7)])
+def test_zero_bubble_h1(p, m):
+    """ZB-H1 (Qi et al. 2023): B and W one tick each, 3 m + p - 1 ticks, bubble
+    (p - 1)(T_F + T_B - T_W) = (p - 1) / (3 m + p - 1) of the step, a third of 1F1B's in pass
+    times; every stage holds at most p micro-batches (1F1B's peak, stage 0's) from F to W."""
+    s = build("zb1", p, m)
+    _valid(s)
+    assert s.split_backward and not build("1f1b", p, m).split_backward
+    assert s.ticks == 3 * m + p - 1
+    assert s.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert s.bubble_fraction == pytest.approx(schedules.formula_bubble("zb1", p, m))
+    assert [s.in_flight(d) for d in range(p)] == [p] * p
+    # idle device-ticks: (p - 1) per device against 1F1B's 2 (p - 1)
+    assert s.ticks * p - len(s.table) == p * (p - 1)
+    # with B + W = 1F1B's backward, each pass half of it, the step is shorter than 1F1B's
+    if p > 1:
+        assert s.lockstep_time(1, 1, 1) < build("1f1b", p, m).lockstep_time(1, 2)
+
+
 def test_1f1b_memory_flat_in_m_gpipe_grows():
     gpipe = [build("gpipe", 4, m).in_flight(0) for m in (4, 8, 16)]
     onef = [build("1f1b", 4, m).in_flight(0) for m in (4, 8, 16)]
@@ -73,6 +94,7 @@ def test_grid_labels():
     (("interleaved", 4, 2, 2), "multiple of pipeline=4"),  # m < p
     (("1f1b", 4, 8, 2), "virtual_stages=2 needs pipeline_schedule=interleaved"),
     (("zigzag", 4, 8, 1), "expected one of"),
+    (("zb1", 4, 8, 2), "virtual_stages=2 needs pipeline_schedule=interleaved"),
     (("gpipe", 0, 8, 1), "must be >= 1"),
 ])
 def test_errors(args, match):
@@ -99,7 +121,7 @@ def test_lockstep_time():
 
 
 @pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
-                                     ("interleaved", 3)])
+                                     ("interleaved", 3), ("zb1", 1)])
 def test_lockstep_ticks_closed_form_equals_the_simulated_tables(name, v):
     """The planner's closed form for the forward-only / backward-carrying ticks (no table built)
     counted from the simulated tables, and the lockstep factor it gives; 1F1B tends to 1.5 at
@@ -113,9 +135,10 @@ def test_lockstep_ticks_closed_form_equals_the_simulated_tables(name, v):
             kinds = {}
             for t in s.table:
                 kinds.setdefault(t.tick, set()).add(t.kind)
-            backward = sum("B" in k for k in kinds.values())
+            backward = sum(k != {"F"} for k in kinds.values())
             assert schedules.lockstep_ticks(name, p, m, v) == (len(kinds) - backward, backward)
+            b = 1.5 if name == "zb1" else 3  # ZB-H1: B and W half of the backward each
             assert schedules.lockstep_factor(name, p, m, v) == pytest.approx(
-                s.lockstep_time(1, 3) / (4 * m))
+                s.lockstep_time(1, b) / (4 * m))
     assert schedules.lockstep_factor("gpipe", 4, 8) == pytest.approx(11 / 8)
     assert 1.5 < schedules.lockstep_factor("1f1b", 4, 512) < 1.51  # 1.5 + (4p - 6) / 4m
