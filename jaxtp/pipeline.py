@@ -88,6 +88,11 @@ def compile_schedule(schedule: Schedule) -> Program:
     """The per-rank program of ``schedule``: branch and buffer slots for every (tick, rank)."""
     s = schedule
     check_pipeline(s.name, s.p, s.m, s.v)
+    split = sorted({t.kind for t in s.table} - {"F", "B"})
+    if split:  # ZB-H1's weight-gradient passes: a table to simulate, not yet a runtime
+        raise ScheduleError(f"pipeline_schedule={s.name}: the runtime runs F and B passes only, "
+                            f"not {', '.join(split)} (a split backward); use gpipe, 1f1b or "
+                            f"interleaved")
     p, n_stages = s.p, s.p * s.v
     at = {(t.kind, t.stage, t.microbatch): t.tick for t in s.table}
     acts = [[] for _ in range(p)]   # per rank: lifetimes of received stage inputs
