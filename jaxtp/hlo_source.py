@@ -114,6 +114,8 @@ def _module(frames: tuple[Frame, ...], i: int, modules: ModulePaths) -> str | No
     cls, _, method = frames[i].function.partition(".")
     if cls not in modules or not method or "." in method:
         return None
+    if i + 1 < len(frames) and frames[i + 1].function == f"{cls}.__call__":
+        method = "__call__"  # a helper of the module's own call (Attention.project_out) is it
     enclosing: list[str] = []
     for f in frames[i + 1:]:
         c = f.function.partition(".")[0]
