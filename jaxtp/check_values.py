@@ -22,12 +22,8 @@ import math
 import os
 from pathlib import Path
 
-from typing import TYPE_CHECKING
-
 from jaxtp.errors import ConfigError
 
-if TYPE_CHECKING:  # the config's own module runs these checks at load
-    from jaxtp.config import Config, ModelConfig
 
 # (key, lowest, highest, whether the lowest itself is allowed); None = unbounded
 _TRAIN_INT_RANGES = {
@@ -81,7 +77,7 @@ def parse_profile_steps(text: str) -> tuple[int, int] | None:
     return first, last
 
 
-def validate_model(m: ModelConfig) -> None:
+def validate_model(m) -> None:  # m: a jaxtp.config.ModelConfig (config imports this module)
     """The model's own rules (no mesh): positive sizes, GQA grouping, RoPE's even head dim,
     whole MoE groups."""
     positive = ["vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
@@ -106,7 +102,7 @@ def validate_model(m: ModelConfig) -> None:
             f"an n_layers that is a multiple of {m.moe_every} or change model.moe_every")
 
 
-def validate_settings(cfg: Config) -> None:
+def validate_settings(cfg) -> None:
     """Refuse any ``train.*`` / ``data.*`` value outside its range (see the module docstring)."""
     t, d = cfg.train, cfg.data
     for name, (lo, hi) in _TRAIN_INT_RANGES.items():
@@ -216,7 +212,7 @@ def _check_out_dir(text: str) -> None:
                           f"for this user); choose a writable directory")
 
 
-def check_run_files(cfg: Config) -> None:
+def check_run_files(cfg) -> None:
     """The data, tokenizer and run directory of ``jaxtp train`` (see the module docstring)."""
     _check_data_path(cfg.data.path)
     _check_tokenizer(cfg.data.tokenizer_path)
@@ -241,7 +237,7 @@ def check_hardware_file(text: str | None) -> None:
                           f"hold one object of hardware fields")
 
 
-def check_eval_split(cfg: Config, eval_tokens: int) -> None:
+def check_eval_split(cfg, eval_tokens: int) -> None:
     """The held-out split (the last ``data.eval_fraction`` of the corpus) fills one eval batch."""
     t = cfg.train
     need = t.batch_size * t.seq_len + 1

@@ -26,15 +26,10 @@ MODULES = _modules()
 
 def _imports(name: str, path: Path):
     """``(line, imported module, imported names, bound local names)`` of every jaxtp import in
-    ``path``, at module level or inside functions alike."""
+    ``path``, at module level, inside functions or under ``if TYPE_CHECKING`` alike."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and getattr(block.test, "id", None) == "TYPE_CHECKING"
-                   for stmt in block.body for n in ast.walk(stmt)}
-    for node in ast.walk(tree):
-        if id(node) in typing_only:  # annotations only: no import at run time
-            continue
+    for node in ast.walk(tree):  # `if TYPE_CHECKING:` imports count too: they are edges
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == "jaxtp":
