@@ -234,7 +234,8 @@ def forward_fn(layout: Layout, region: Region, head: str) -> Callable:
         if head == "losses":
             return losses
         n_tokens = losses.size * region.n_token_ranks
-        total = jnp.sum(losses)
+        # invariant over a size-1 token axis (explicit mode names them all): cast, then sum
+        total = pipeline.vary_over(jnp.sum(losses), region.token_axes)
         return (jax.lax.psum(total, region.token_axes) if region.token_axes else total) / n_tokens
 
     spec = layout.activation_rules.spec(names) if names else PartitionSpec()

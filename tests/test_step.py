@@ -61,3 +61,31 @@ def test_pipelined_eval_runs_forward_only():
     # head runs on every rank (+1 head per extra rank: tiny's head is 1/9 of its matmuls)
     ratio = flops(piped, pipelined_step.forward_branch_weights(piped.layout)) / flops(flat)
     assert 0.99 < ratio < 1.15, ratio
+
+
+@pytest.mark.parametrize("mode", ["explicit", "gspmd"])
+def test_pipelined_eval_census_is_one_forward(mode):
+    """The forward-only pipelined loss runs Megatron's forward census once per layer: on pipeline
+    rank 0 (which takes the switch's run branch for 1 stage in p), 2 all-reduces over `model` of
+    b x s x h per layer of its stages, counted from the compiled HLO with the switch's weights."""
+    over = ["parallel.pipeline=2", "parallel.data=2", "parallel.model=2", f"parallel.mode={mode}",
+            "train.microbatches=2", "model.n_layers=4"]
+    eng = engine.build(config.load("tiny", BASE + over))
+    cfg = eng.cfg
+    text = eng.loss().lower(*eng.abstract_inputs()).compile().as_text()
+    ops = hlo.collectives(text, dict(eng.mesh.shape),
+                          pipelined_step.forward_branch_weights(eng.layout))
+    b_local = cfg.train.batch_size // 2
+    act = b_local * cfg.train.seq_len * cfg.model.d_model * 4
+    tp = [op for op in ops if op.kind == "all-reduce" and op.axes == ("model",)
+          and op.bytes == act]
+    layers_per_rank = cfg.model.n_layers // 2
+    # the embedding's g is one more b x s x h all-reduce, outside the stages
+    assert sum(op.executions for op in tp) == pytest.approx(2 * layers_per_rank + 1), [
+        (op.executions, op.op_name) for op in tp]
+    assert not [op for op in ops if "data" in op.axes and op.bytes >= act]  # no activation sync
+    ref = engine.reference_params(cfg)
+    batch = testing.random_batch(cfg)
+    loss = eng.loss()(eng.shard_params(testing.pad_params(ref, eng)), eng.shard_batch(batch))
+    np.testing.assert_allclose(float(loss), float(engine.reference_loss_fn(cfg)(ref, batch)),
+                               rtol=1e-5)
