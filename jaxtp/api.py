@@ -139,13 +139,21 @@ class Model:
         out = self._run("logits", {"inputs": tokens, "targets": tokens})
         return out[..., : self.cfg.model.vocab_size]
 
-    def token_losses(self, inputs, targets) -> jax.Array:
-        """``[B, S]`` fp32 cross-entropy of ``targets`` given ``inputs`` at every position."""
+    def token_losses(self, inputs, targets, *, segment_ids=None, positions=None) -> jax.Array:
+        """``[B, S]`` fp32 cross-entropy of ``targets`` given ``inputs`` at every position. For
+        packed rows pass ``segment_ids`` (documents 1, 2, ...; 0 = padding) and ``positions``
+        (within each document): attention then stays inside each document."""
         batch = {"inputs": self._tokens(inputs, "inputs"),
                  "targets": self._tokens(targets, "targets")}
-        if batch["inputs"].shape != batch["targets"].shape:
-            raise ValueError(f"inputs {batch['inputs'].shape} and targets "
-                             f"{batch['targets'].shape} must have the same shape")
+        if segment_ids is not None or positions is not None:
+            if segment_ids is None or positions is None:
+                raise ValueError("segment_ids and positions go together: pass both or neither")
+            batch["segment_ids"] = np.asarray(segment_ids, np.int32)
+            batch["positions"] = np.asarray(positions, np.int32)
+        for k, v in batch.items():
+            if v.shape != batch["inputs"].shape:
+                raise ValueError(f"{k} {v.shape} must have the shape of inputs "
+                                 f"{batch['inputs'].shape}")
         return self._run("losses", batch)
 
     def _compiled(self, kind: str):

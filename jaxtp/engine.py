@@ -15,7 +15,6 @@ from collections.abc import Callable
 from functools import cached_property
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -29,6 +28,7 @@ from jaxtp.model import Transformer
 from jaxtp.region import Region, region_for
 from jaxtp.sharding import named  # noqa: F401  (public here too)
 from jaxtp.step import moe_metrics, token_losses_and_aux
+from jaxtp.token_mean import masked_sum, token_count
 
 
 class Engine:
@@ -120,7 +120,8 @@ def reference_loss_fn(cfg: Config, padded_vocab: int | None = None, *,
     def loss(params, batch):
         per_token, aux = token_losses_and_aux(graphdef, params, batch, LocalOps(),
                                               remat=cfg.parallel.remat)
-        value = jnp.mean(per_token)
+        value = masked_sum(per_token, batch.get("loss_mask")) / token_count(batch,
+                                                                            per_token.size)
         if aux:
             value = value + aux["aux_loss"]
         return (value, moe_metrics(aux, value)) if with_metrics else value

@@ -75,10 +75,12 @@ _gspmd_gather.defvjp(_gspmd_gather_fwd, _gspmd_gather_bwd)
 class LocalOps:
     """Single device: every operator is the identity."""
 
-    def attention(self, q, k, v, implementation: str | None = None):
+    def attention(self, q, k, v, implementation: str | None = None, segment_ids=None):
         """Causal attention ``q [B,S,N,H], k, v [B,S,K,H] -> [B,S,N,H]`` (fused where the
-        backend has a kernel)."""
+        backend has a kernel); with ``segment_ids [B,S]`` a token sees only its own segment."""
         kwargs = {} if implementation is None else {"implementation": implementation}
+        if segment_ids is not None:
+            kwargs["mask"] = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, **kwargs)
 
     def constrain(self, x, *names):
@@ -158,11 +160,12 @@ class GSPMDOps(LocalOps):
     context: int = 1  # ring attention over `context` when > 1
     context_layout: str = "zigzag"
 
-    def attention(self, q, k, v, implementation=None):
+    def attention(self, q, k, v, implementation=None, segment_ids=None):
         if self.context == 1:
-            return super().attention(q, k, v, implementation)
+            return super().attention(q, k, v, implementation, segment_ids)
         # the engine makes `context` manual (with the batch axes) whenever it is split
-        return ring_attention(q, k, v, axis=CONTEXT, causal=True, layout=self.context_layout)
+        return ring_attention(q, k, v, axis=CONTEXT, causal=True, layout=self.context_layout,
+                              segment_ids=segment_ids)
 
     def gather_layer(self, layer_params):
         if self.layer_specs is None:
@@ -207,10 +210,11 @@ class ExplicitOps(LocalOps):
     context_layout: str = "zigzag"
     tp_axis: str = TP_AXIS  # the mesh axis the parameter table splits heads over
 
-    def attention(self, q, k, v, implementation=None):
+    def attention(self, q, k, v, implementation=None, segment_ids=None):
         if self.context == 1:
-            return super().attention(q, k, v, implementation)
-        return ring_attention(q, k, v, axis=CONTEXT, causal=True, layout=self.context_layout)
+            return super().attention(q, k, v, implementation, segment_ids)
+        return ring_attention(q, k, v, axis=CONTEXT, causal=True, layout=self.context_layout,
+                              segment_ids=segment_ids)
 
     def gather_layer(self, layer_params):
         if self.layer_specs is None:

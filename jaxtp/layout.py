@@ -186,18 +186,21 @@ class Layout:
         return {"inputs": tok, "targets": tok}
 
     def prepare(self, batch: Batch) -> Batch:
-        """Global-view batch -> what the model consumes: tokens in the ``context`` layout order and
-        their global positions (for RoPE). The per-token loss is a mean, so the order is free.
-        The permutation moves only the int32 token ids (XLA gathers them over ``context``, b x s
-        x 4 bytes once per step); the activations are born in the layout."""
+        """Global-view batch -> what the model consumes: every ``[B,S]`` entry in the ``context``
+        layout order, and the positions for RoPE (the batch's own -- a packed batch's positions
+        within each document -- or else the global ones). The per-token loss is a (masked)
+        mean, so the order is free. The permutation moves only int32 ids (XLA gathers them
+        over ``context``, b x s x 4 bytes per entry once per step); the activations are born
+        in the layout."""
         inputs = batch["inputs"]
         cp = self.degrees[CONTEXT]
-        if cp == 1:
-            positions = jnp.arange(inputs.shape[1], dtype=jnp.int32)
-        else:
-            order = self.cfg.parallel.context_layout
+        order = self.cfg.parallel.context_layout
+        if cp > 1:
             batch = {k: to_layout(v, cp, order) for k, v in batch.items()}
-            positions = positions_for_layout(inputs.shape[1], cp, order)
+        if "positions" in batch:
+            return batch
+        positions = (jnp.arange(inputs.shape[1], dtype=jnp.int32) if cp == 1 else
+                     positions_for_layout(inputs.shape[1], cp, order))
         positions = jnp.broadcast_to(positions, inputs.shape)
         return {**batch, "positions": jax.lax.with_sharding_constraint(positions,
                                                                         self.batch_sharding)}

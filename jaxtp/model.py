@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxtp.config import ModelConfig
 from jaxtp.execution import TP_REDUCED
-from jaxtp.layers.attention import Attention, rope_tables
+from jaxtp.layers.attention import Attention, positional
 from jaxtp.layers.embedding import OutputHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from jaxtp.layers.mlp import MLP
 from jaxtp.layers.moe import MoE, summarize_aux
@@ -99,17 +99,22 @@ class Transformer(nnx.Module):
             self.head = OutputHead(cfg.d_model, padded_vocab, std=cfg.init_std, dtype=dt,
                                    rngs=rngs)
 
-    def hidden(self, tokens: jax.Array, positions: jax.Array, ops, *, remat: str = "none"):
+    def hidden(self, tokens: jax.Array, positions: jax.Array, ops, *, remat: str = "none",
+               segment_ids: jax.Array | None = None):
         """Final-norm hidden states ``[B,S,D]`` for ``tokens [B,S]``."""
-        return self.hidden_and_aux(tokens, positions, ops, remat=remat)[0]
+        return self.hidden_and_aux(tokens, positions, ops, remat=remat,
+                                   segment_ids=segment_ids)[0]
 
     def hidden_and_aux(self, tokens: jax.Array, positions: jax.Array, ops, *,
-                       remat: str = "none") -> tuple[jax.Array, dict | None]:
+                       remat: str = "none", segment_ids: jax.Array | None = None
+                       ) -> tuple[jax.Array, dict | None]:
         """``(hidden [B,S,D], aux)``: aux is each MoE layer's router outputs stacked along a
-        leading layer dim (``None`` for a dense model)."""
+        leading layer dim (``None`` for a dense model). ``positions [B,S]`` are RoPE's (within
+        each document for a packed batch); ``segment_ids [B,S]`` keep attention inside each
+        document (``None``: one sequence per row)."""
         cfg = self.cfg
         x = embed_tokens(self.embed, tokens, ops, cfg)
-        rope = rope_tables(positions, cfg)
+        rope = positional(positions, cfg, segment_ids)
         graphdef, stacked = nnx.split(self.blocks)
         x, aux = scan_layers(graphdef, stacked, x, rope, ops, remat=remat,
                              moe=cfg.n_experts > 0)
@@ -120,11 +125,11 @@ class Transformer(nnx.Module):
         return ops.constrain(out, "batch", "seq", "vocab")
 
     def token_losses_and_aux(self, tokens, targets, positions, ops, *,
-                             remat: str = "none") -> tuple[jax.Array, dict]:
+                             remat: str = "none", segment_ids=None) -> tuple[jax.Array, dict]:
         """``(per-token cross-entropy [B,S], aux)``: aux is ``{}`` for a dense model, else the MoE
         layers' router outputs summarised over layers (:func:`~jaxtp.layers.moe.summarize_aux`:
         ``aux_loss`` summed, the statistics averaged), each already the global-batch value."""
-        x, aux = self.hidden_and_aux(tokens, positions, ops, remat=remat)
+        x, aux = self.hidden_and_aux(tokens, positions, ops, remat=remat, segment_ids=segment_ids)
         out = self.embed if self.cfg.tie_embeddings else self.head
         return token_losses_of(out, x, targets, ops, self.cfg), (
             {} if aux is None else summarize_aux(aux))

@@ -7,9 +7,8 @@ them. :mod:`jaxtp.schedules` decides *when* each rank runs which forward (``F``)
 (``B``) pass; this module turns that table into one SPMD program and runs it. The table becomes,
 per rank and per tick, a row of small integers (:class:`Program`): which branch to take (idle,
 or ``F`` / ``B`` of a first, middle or last stage — the first may embed raw inputs, the last adds
-the loss), which chunk and micro-batch,
-which activation-buffer slot to read, and into which slots to write what arrives from the
-neighbours at the end of the tick. A ``lax.scan`` over ticks reads this rank's row, runs the pass
+the loss), which chunk and micro-batch, which activation-buffer slot to read, and into which
+slots to write what arrives from the neighbours at the end of the tick. A ``lax.scan`` over ticks reads this rank's row, runs the pass
 under ``lax.switch`` (idle ticks do no math) and then does exactly two ``ppermute``s over
 ``pipeline``: the forward output to rank ``r + 1`` and the input cotangent to rank ``r - 1``
 (cyclic when interleaved, so the last rank's chunk ``c`` feeds rank 0's chunk ``c + 1``). Nothing
@@ -50,8 +49,8 @@ class Program:
 
     Columns: ``KIND`` (``lax.switch`` branch: 0 idle, ``1 + i`` for ``passes[i]``), ``CHUNK``,
     ``MICROBATCH``, ``ACT_SLOT`` (activation slot the pass reads its stage input from; -1: stage 0,
-    read ``microbatches``), ``GRAD_SLOT`` (slot of the
-    output cotangent a ``B`` reads; -1: the last stage, seeded by the loss), ``RECV_ACT`` /
+    read ``microbatches``), ``GRAD_SLOT`` (slot of the output cotangent a ``B`` reads; -1: the
+    last stage, seeded by the loss), ``RECV_ACT`` /
     ``RECV_GRAD`` (slot to store what arrives from rank ``r - 1`` / ``r + 1`` at the end of the
     tick; -1: nothing arrives).
     """
@@ -195,8 +194,8 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
                             microbatches: tuple[jax.Array, jax.Array], *,
                             schedule: Schedule, axis: str = PIPELINE,
                             embed_fn: Callable | None = None, embed_params=None,
-                            head_params=None, send_split: tuple[str, int] | None = None
-                            ) -> tuple[jax.Array, PipelineGrads]:
+                            head_params=None, send_split: tuple[str, int] | None = None,
+                            side=None) -> tuple[jax.Array, PipelineGrads]:
     """``(loss, PipelineGrads)`` of the ``p * v``-stage model run by ``schedule``, per rank,
     inside ``jax.shard_map`` over ``axis``.
 
@@ -210,7 +209,10 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
     - ``microbatches = (inputs [m, b, s, h], targets [m, ...])``: read by stage 0 / the last
       stage only (every rank may hold them; nothing is scattered over ``axis`` yet). With
       ``embed_fn``, ``inputs`` are raw (e.g. token ids ``[m, b, s]``) and stage 0 runs
-      ``embed_fn(embed_params, inputs[i]) -> x [b, s, h]`` first.
+      ``embed_fn(embed_params, inputs[i]) -> x [b, s, h]`` first. ``targets`` may be a pytree
+      (e.g. targets and a loss mask) whose leaves lead with ``m``.
+    - ``side``: per-micro-batch data every stage reads (a pytree of ``[m, ...]`` leaves, e.g. a
+      packed batch's RoPE tables and segment ids); then ``stage_fn(chunk_params, x, side[i])``.
     - ``send_split = (axis_name, dim)``: activations that are replicated over ``axis_name``
       (e.g. ``model`` under plain TP) are sent as each rank's ``1/n`` slice along ``dim`` and
       all-gathered over ``axis_name`` after the transfer (Narayanan et al. 2021, sec. 4.1,
@@ -228,19 +230,19 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
     """
     _check_inputs(schedule, microbatches, stage_params, axis=axis, embed_fn=embed_fn,
                   embed_params=embed_params)
-    run = _Run(schedule, stage_fn, loss_fn, embed_fn, microbatches, axis=axis)
+    run = _Run(schedule, stage_fn, loss_fn, embed_fn, microbatches, axis=axis, side=side)
     return run(stage_params, embed_params, head_params, send_split)
 
 
 def _check_inputs(s: Schedule, microbatches, stage_params, *, axis: str, embed_fn,
                   embed_params) -> None:
-    inputs, targets = microbatches
     if (embed_fn is None) != (embed_params is None):
         raise ValueError("embed_fn and embed_params go together: pass both or neither")
-    if inputs.shape[0] != s.m or targets.shape[0] != s.m:
-        raise ScheduleError(f"microbatches have leading dims {inputs.shape[0]} (inputs) and "
-                            f"{targets.shape[0]} (targets) but the schedule was built for m={s.m}; "
-                            f"reshape the batch to [{s.m}, ...] or rebuild the schedule")
+    lead = {a.shape[0] for a in jax.tree.leaves(microbatches)}
+    if lead != {s.m}:
+        raise ScheduleError(f"microbatches have leading dims {sorted(lead)} but the schedule was "
+                            f"built for m={s.m}; reshape the batch to [{s.m}, ...] or rebuild "
+                            f"the schedule")
     if jax.lax.axis_size(axis) != s.p:
         raise ScheduleError(f"schedule is for pipeline={s.p} but mesh axis {axis!r} has size "
                             f"{jax.lax.axis_size(axis)}; build it with p={jax.lax.axis_size(axis)}")
@@ -268,6 +270,11 @@ def _add_chunk(grads, c, d):
         g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x, c, 0), grads, d)
 
 
+def _index(tree, i):
+    """Micro-batch ``i`` (traced) of every leaf of ``tree``."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
 def _read(buf, slot):
     return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(slot, 0), 0, keepdims=False)
 
@@ -283,15 +290,15 @@ class _Run:
     tick that runs one of them and exchanges with the neighbours."""
 
     def __init__(self, schedule: Schedule, stage_fn, loss_fn, embed_fn, microbatches, *,
-                 axis: str):
+                 axis: str, side=None):
         self.s, self.prog, self.axis = schedule, compile_schedule(schedule), axis
         self.stage_fn, self.loss_fn, self.embed_fn = stage_fn, loss_fn, embed_fn
         # Activations, cotangents and the loss vary over `axis` and the batch axes; parameters
         # also, so each tick's parameter cotangent stays local (no psum inside the loop).
-        inputs, targets = microbatches
-        self.batch_vma = varying_axes(inputs) | varying_axes(targets) | {axis}
-        self.inputs = vary_over(inputs, self.batch_vma)
-        self.targets = vary_over(targets, self.batch_vma)
+        self.batch_vma = frozenset({axis}).union(
+            *(varying_axes(a) for a in jax.tree.leaves((microbatches, side))))
+        self.inputs, self.targets = self._local(microbatches)
+        self.side = self._local(side)
 
     def _local(self, tree):
         return jax.tree.map(lambda a: vary_over(a, self.batch_vma), tree)
@@ -317,11 +324,12 @@ class _Run:
         """What a stage input and the loss look like, their varying axes included (e.g. `model`
         when the stream is sequence-sharded, the replica axes of the parameters): traced once
         for the types; the values are dead code."""
-        x0 = self._embed(self.eparams, self.inputs[0])
+        x0 = self._embed(self.eparams, _index(self.inputs, 0))
         self.x_shape, self.x_dtype = x0.shape, x0.dtype
         self.act_vma = self.batch_vma | varying_axes(x0)
-        y0 = self._stage(jax.tree.map(lambda a: a[0], self.params), vary_over(x0, self.act_vma))
-        l0 = self._loss(self.hparams, y0, self.targets[0])
+        y0 = self._stage(jax.tree.map(lambda a: a[0], self.params), vary_over(x0, self.act_vma),
+                         _index(self.side, 0))
+        l0 = self._loss(self.hparams, y0, _index(self.targets, 0))
         self.loss_vma = self.batch_vma | varying_axes(l0)
         self.nothing = _zeros(self.x_shape, self.x_dtype, self.act_vma)
         self.zero_loss = _zeros((), jnp.float32, self.loss_vma)
@@ -329,8 +337,8 @@ class _Run:
     def _embed(self, ep, raw):
         return raw if self.embed_fn is None else self.embed_fn(ep, raw)
 
-    def _stage(self, pc, x):
-        y = self.stage_fn(pc, x)
+    def _stage(self, pc, x, side):
+        y = self.stage_fn(pc, x) if side is None else self.stage_fn(pc, x, side)
         if y.shape != x.shape or y.dtype != x.dtype:
             raise ValueError(f"stage_fn must map activations to the same shape and dtype: "
                              f"{x.shape} {x.dtype} -> {y.shape} {y.dtype}")
@@ -346,8 +354,8 @@ class _Run:
     def _pass(self, kind: str, first: bool, last: bool):
         """One branch: ``(chunk, raw input, stage input, output cotangent, target, grads) ->
         (y to send on, dx to send back, loss, grads)``. ``B`` recomputes the stage forward."""
-        def run(pc, ep, hp, x, raw, tgt):
-            y = self._stage(pc, self._embed(ep, raw) if first else x)
+        def run(pc, ep, hp, x, raw, tgt):  # raw: (stage 0's input, the side data)
+            y = self._stage(pc, self._embed(ep, raw[0]) if first else x, raw[1])
             return self._loss(hp, y, tgt) * (1.0 / self.s.m) if last else y
 
         def forward(c, raw, x, g, tgt, acc):
@@ -378,8 +386,8 @@ class _Run:
         acts, cots, acc, loss = carry                                # acts: [A, b, s, h]
         p = self.s.p
         mb = row[MICROBATCH]
-        raw = jax.lax.dynamic_index_in_dim(self.inputs, mb, 0, keepdims=False)  # stage 0's
-        tgt = jax.lax.dynamic_index_in_dim(self.targets, mb, 0, keepdims=False)
+        raw = (_index(self.inputs, mb), _index(self.side, mb))  # stage 0's input, every stage's
+        tgt = _index(self.targets, mb)
         x, g = _read(acts, row[ACT_SLOT]), _read(cots, row[GRAD_SLOT])     # [b, s, h] each
         branches = [self._idle] + [self._pass(*k) for k in self.prog.passes]
         y, dx, dloss, acc = jax.lax.switch(row[KIND], branches, row[CHUNK], raw, x, g, tgt, acc)

@@ -46,10 +46,11 @@ from jax.sharding import PartitionSpec
 from jaxtp import pipeline, schedules
 from jaxtp.axes import MODEL, PIPELINE
 from jaxtp.grad_sync import mark_data_parallel, sync_grads
-from jaxtp.layers.attention import rope_tables
+from jaxtp.layers.attention import positional
 from jaxtp.layout import Layout
 from jaxtp.model import embed_tokens, scan_layers, token_losses_of
 from jaxtp.region import Region
+from jaxtp.token_mean import masked_sum, token_count
 
 
 def branch_weights(layout: Layout, rank: int = 0) -> dict[int, tuple[float, ...]]:
@@ -100,9 +101,9 @@ class _Parts:
         logits = out.attend(x, self.ops) if self.tied else out(x, self.ops)
         return self.ops.constrain(logits, "batch", "seq", "vocab")
 
-    def rope(self, positions):
-        m = self.cfg.model
-        return rope_tables(positions, m)
+    def rope(self, positions, segment_ids=None):
+        """The layers' :class:`~jaxtp.layers.attention.Positional` (RoPE tables, segments)."""
+        return positional(positions, self.cfg.model, segment_ids)
 
 
 def _send_split(layout: Layout) -> tuple[str, int] | None:
@@ -159,17 +160,28 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
         # ZeRO-3: the embedding, final norm and head are gathered once per step, before the
         # pipeline, and their gradients reduce-scattered once after it (the gather's transpose)
         gathered, ungather = jax.vjp(region.gather_outer, params)
-        tokens, targets = split(batch["inputs"]), split(batch["targets"])
-        rope = parts.rope(batch["positions"][: tokens.shape[1]])
+        tokens = split(batch["inputs"])
+        targets = {k: split(batch[k]) for k in ("targets", "loss_mask") if k in batch}
+        denom = token_count(batch, n_tokens, dp)  # a packed batch: its counted tokens
+        if "segment_ids" in batch:  # packed: each micro-batch's own positions and documents
+            side = {k: split(batch[k]) for k in ("positions", "segment_ids")}
+
+            def stage(chunk, x, sd):
+                return parts.stage(chunk, x, parts.rope(sd["positions"], sd["segment_ids"]))
+        else:  # one sequence per row: the same RoPE tables for every micro-batch
+            side, rope = None, parts.rope(batch["positions"][: tokens.shape[1]])
+
+            def stage(chunk, x):
+                return parts.stage(chunk, x, rope)
 
         def loss_fn(hp, y, tgt):  # this micro-batch's share of the global mean, times m
-            return jnp.sum(parts.token_losses(hp, y, tgt)) * (m / n_tokens)
+            losses = parts.token_losses(hp, y, tgt["targets"])
+            return masked_sum(losses, tgt.get("loss_mask")) * (m / denom)
 
         loss, g = pipeline.pipeline_value_and_grad(
-            lambda chunk, x: parts.stage(chunk, x, rope), loss_fn,
-            _chunks(layout, params["blocks"]), (tokens, targets), schedule=schedule,
-            send_split=_send_split(layout), embed_fn=parts.embed,
-            embed_params={"embed": gathered["embed"]},
+            stage, loss_fn, _chunks(layout, params["blocks"]), (tokens, targets),
+            schedule=schedule, send_split=_send_split(layout), embed_fn=parts.embed,
+            embed_params={"embed": gathered["embed"]}, side=side,
             head_params={"final_norm": gathered["final_norm"], out_key: gathered[out_key]})
         grads = _assemble_grads(layout, gathered, g, ungather)
         loss = jax.lax.psum(loss, dp) if dp else loss
@@ -227,7 +239,8 @@ def forward_fn(layout: Layout, region: Region, head: str) -> Callable:
 
     def local(params, batch):
         params = region.gather_outer(params)
-        y = _run_stages(layout, parts, params, batch["inputs"], parts.rope(batch["positions"]))
+        rope = parts.rope(batch["positions"], batch.get("segment_ids"))
+        y = _run_stages(layout, parts, params, batch["inputs"], rope)
         if head == "logits":
             return parts.logits(params, y)
         losses = parts.token_losses(params, y, batch["targets"])
@@ -235,8 +248,9 @@ def forward_fn(layout: Layout, region: Region, head: str) -> Callable:
             return losses
         n_tokens = losses.size * region.n_token_ranks
         # invariant over a size-1 token axis (explicit mode names them all): cast, then sum
-        total = pipeline.vary_over(jnp.sum(losses), region.token_axes)
-        return (jax.lax.psum(total, region.token_axes) if region.token_axes else total) / n_tokens
+        total = pipeline.vary_over(masked_sum(losses, batch.get("loss_mask")), region.token_axes)
+        total = jax.lax.psum(total, region.token_axes) if region.token_axes else total
+        return total / token_count(batch, n_tokens, region.token_axes)
 
     spec = layout.activation_rules.spec(names) if names else PartitionSpec()
     return region.per_device(local, out_specs=spec, extra=(PIPELINE,))

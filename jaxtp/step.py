@@ -32,6 +32,7 @@ from jaxtp.grad_sync import mark_data_parallel, sync_grads
 from jaxtp.layers.ring_attention import from_layout
 from jaxtp.layout import Batch, Layout
 from jaxtp.region import Region
+from jaxtp.token_mean import masked_sum, token_count
 
 
 def moe_metrics(aux: dict, loss: jax.Array) -> dict:
@@ -52,7 +53,8 @@ def token_losses_and_aux(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch
     positions = batch.get("positions")
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    return model.token_losses_and_aux(inputs, batch["targets"], positions, ops, remat=remat)
+    return model.token_losses_and_aux(inputs, batch["targets"], positions, ops, remat=remat,
+                                      segment_ids=batch.get("segment_ids"))
 
 
 def _split_micro(batch: Batch, m: int) -> Batch:
@@ -73,20 +75,20 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
     aux_scale = 1.0 / (region.n_token_ranks * m) if manual else 1.0 / m
     gather_outer = region.gather_outer if manual else (lambda p: p)
 
-    def micro_loss(params, micro):
+    def micro_loss(params, micro, denom):
         params = gather_outer(params)
         losses, aux = token_losses_and_aux(graphdef, params, micro, ops,
                                            remat=cfg.parallel.remat)
-        value = jnp.sum(losses) / n_tokens
+        value = masked_sum(losses, micro.get("loss_mask")) / denom
         if aux:
             value = value + aux["aux_loss"] * aux_scale
         return value, aux
 
     grad = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def accumulate(params, batch):
+    def accumulate(params, batch, denom):
         def body(acc, mb):
-            (loss, aux), grads = grad(params, mb)
+            (loss, aux), grads = grad(params, mb, denom)
             return jax.tree.map(jnp.add, acc, (loss, grads)), aux
 
         zero_loss = jnp.zeros((), jnp.float32)
@@ -98,7 +100,9 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
 
     def local(params, batch):
         params = mark_data_parallel(params, layout.param_specs, replicas)
-        (loss, aux), grads = grad(params, batch) if m == 1 else accumulate(params, batch)
+        denom = token_count(batch, n_tokens, dp)  # a packed batch: its counted tokens
+        (loss, aux), grads = (grad(params, batch, denom) if m == 1 else
+                              accumulate(params, batch, denom))
         loss = jax.lax.psum(loss, dp) if dp else loss
         grads = sync_grads(grads, layout.param_specs, layout.grad_specs, replicas)  # once
         return loss, grads, moe_metrics(aux, loss)
@@ -109,7 +113,8 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
 
 
 def _hidden(model, batch: Batch, ops, remat: str) -> jax.Array:
-    return model.hidden(batch["inputs"], batch["positions"], ops, remat=remat)
+    return model.hidden(batch["inputs"], batch["positions"], ops, remat=remat,
+                        segment_ids=batch.get("segment_ids"))
 
 
 def _forward(layout: Layout, region: Region, body: Callable, out_names: tuple[str, ...]):
@@ -169,7 +174,8 @@ def loss_fn(layout: Layout, region: Region) -> Callable:
             batch = layout.prepare(batch)
             params = ops.gather(params, layout.outer_specs)
             per_token, aux = token_losses_and_aux(graphdef, params, batch, ops, remat=remat)
-            value = jnp.mean(per_token)
+            value = masked_sum(per_token, batch.get("loss_mask")) / token_count(batch,
+                                                                                per_token.size)
             return value + aux["aux_loss"] if aux else value
         return loss
 
@@ -178,6 +184,7 @@ def loss_fn(layout: Layout, region: Region) -> Callable:
     def local_loss(params, batch):
         params = region.gather_outer(mark_data_parallel(params, layout.param_specs, replicas))
         per_token, aux = token_losses_and_aux(graphdef, params, batch, ops, remat=remat)
-        value = jax.lax.psum(jnp.sum(per_token), dp) / n_tokens
+        total = jax.lax.psum(masked_sum(per_token, batch.get("loss_mask")), dp)
+        value = total / token_count(batch, n_tokens, dp)
         return value + aux["aux_loss"] if aux else value  # aux: global on every device
     return region.per_device(local_loss, out_specs=PartitionSpec())

@@ -142,3 +142,28 @@ def assert_restores(directory, step: int, trainer, want, *, layer_order=None) ->
     for got, expected, spec in zip(got_leaves, want_leaves, like_leaves):
         assert got.sharding == spec.sharding, (got.sharding, spec.sharding)
         np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def packed_batch(cfg: Config, seed: int = 0, *, max_doc: int | None = None,
+                 pad: int = 3) -> dict[str, np.ndarray]:
+    """A packed ``[batch_size, seq_len]`` batch of random documents (the data contract of
+    :mod:`jaxtp.data`): each row is documents of random lengths (2 to ``max_doc`` tokens,
+    default ``seq_len // 2``) then ``pad`` padding tokens, with ``segment_ids`` (1, 2, ... per
+    row; 0 = padding), ``positions`` within each document and ``loss_mask`` (1 where the target
+    is the next token of the same document)."""
+    t = cfg.train
+    rng = np.random.default_rng(seed)
+    width = t.seq_len + 1  # a window: inputs are its first seq_len tokens, targets its last
+    tokens = rng.integers(0, cfg.model.vocab_size, (t.batch_size, width))
+    seg = np.zeros((t.batch_size, width), np.int32)
+    pos = np.zeros((t.batch_size, width), np.int32)
+    for row in range(t.batch_size):
+        start, doc = 0, 1
+        while start < width - pad:
+            n = min(int(rng.integers(2, (max_doc or t.seq_len // 2) + 1)), width - pad - start)
+            seg[row, start:start + n], pos[row, start:start + n] = doc, np.arange(n)
+            start, doc = start + n, doc + 1
+    mask = (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] > 0)
+    return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
+            "segment_ids": seg[:, :-1], "positions": pos[:, :-1],
+            "loss_mask": mask.astype(np.int32)}

@@ -122,7 +122,8 @@ class Trainer:
         return self.engine.loss()
 
     def put_batch(self, batch: dict) -> dict:
-        """``{"inputs", "targets"}`` -> sharded device arrays. numpy rows are this process's
+        """``{"inputs", "targets"}`` (packed: and ``segment_ids``, ``positions``, ``loss_mask``)
+        -> sharded device arrays. numpy rows are this process's
         share of the global batch (all rows on one process); jax arrays are placed as they are.
         A wrong key, shape or dtype is a ``ValueError`` naming the expected one."""
         check_batch(batch, self.cfg, processes=jax.process_count())
@@ -136,13 +137,19 @@ class Trainer:
         return run(self.cfg, trainer=self)
 
 
+PACKED_KEYS = ("segment_ids", "positions", "loss_mask")
+
+
 def check_batch(batch: dict, cfg: Config, *, processes: int = 1) -> None:
-    """Raise ``ValueError`` unless ``batch`` is ``{"inputs", "targets"}`` of integer token ids
-    shaped ``[train.batch_size / processes, train.seq_len]`` (jax arrays: the global shape)."""
+    """Raise ``ValueError`` unless ``batch`` is ``{"inputs", "targets"}`` -- plus, for a packed
+    batch, all of :data:`PACKED_KEYS` -- of integers shaped ``[train.batch_size / processes,
+    train.seq_len]`` (jax arrays: the global shape)."""
     t = cfg.train
-    if not isinstance(batch, dict) or set(batch) != {"inputs", "targets"}:
+    keys = set(batch) if isinstance(batch, dict) else None
+    if keys not in ({"inputs", "targets"}, {"inputs", "targets", *PACKED_KEYS}):
         keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
-        raise ValueError(f"a batch is a dict with keys 'inputs' and 'targets'; got {keys}")
+        raise ValueError(f"a batch is a dict with keys 'inputs' and 'targets' (a packed batch "
+                         f"also 'segment_ids', 'positions' and 'loss_mask'); got {keys}")
     for k, v in batch.items():
         rows = t.batch_size if isinstance(v, jax.Array) else t.batch_size // processes
         if tuple(v.shape) != (rows, t.seq_len):
@@ -150,7 +157,7 @@ def check_batch(batch: dict, cfg: Config, *, processes: int = 1) -> None:
             raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}; expected ({rows}, "
                              f"{t.seq_len}) = (train.batch_size{per}, train.seq_len)")
         if not jnp.issubdtype(v.dtype, jnp.integer):
-            raise ValueError(f"batch[{k!r}] has dtype {v.dtype}; token ids are integers (int32)")
+            raise ValueError(f"batch[{k!r}] has dtype {v.dtype}; batches hold integers (int32)")
 
 
 def _read_records(path: Path, upto: int) -> list[dict]:

@@ -8,10 +8,14 @@ slot holds its ``q_per_kv`` query heads, then its key, then its value. Sharding 
 and a single matmul means a single cotangent, so backward runs one all-reduce, not three. The output
 projection ``wo[heads, head_dim, embed]`` is row-parallel; the block costs exactly one ``f`` and one
 ``g``. Scores go through ``ops.attention``: ``jax.nn.dot_product_attention`` (so GPUs and TPUs get
-fused kernels), or ring attention over ``context`` under context parallelism.
+fused kernels), or ring attention over ``context`` under context parallelism. A packed batch's
+``segment_ids`` ride along in :class:`Positional`: a token attends only to earlier tokens of its
+own document, and RoPE sees its position within that document.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +50,22 @@ def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.
     return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
 
 
+class Positional(NamedTuple):
+    """What the layers know of where each token sits: the RoPE tables of its position within its
+    document and, for packed batches, its document's ``segment_ids [B,S]`` (attention stays
+    inside a document; ``None``: the whole row is one sequence)."""
+
+    cos: jax.Array
+    sin: jax.Array
+    segment_ids: jax.Array | None = None
+
+
+def positional(positions: jax.Array, cfg: ModelConfig,
+               segment_ids: jax.Array | None = None) -> Positional:
+    """:class:`Positional` of integer ``positions [B,S]`` (and ``segment_ids [B,S]``)."""
+    return Positional(*rope_tables(positions, cfg), segment_ids)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate pairs (first half, second half) of the head dim; ``x [B,S,N,H]``."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -73,9 +93,10 @@ class Attention(nnx.Module):
         # passed only when asked for, so that the default call is jax.nn's own default
         self.attention_impl = None if cfg.attention_impl == "default" else cfg.attention_impl
 
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ops) -> jax.Array:
-        q, k, v = self.project_qkv(x, rope, ops)
-        o = ops.attention(q, k, v, self.attention_impl)                      # (B, S, N, H)
+    def __call__(self, x: jax.Array, pos: Positional, ops) -> jax.Array:
+        q, k, v = self.project_qkv(x, pos, ops)
+        o = ops.attention(q, k, v, self.attention_impl,
+                          segment_ids=getattr(pos, "segment_ids", None))   # (B, S, N, H)
         return self.project_out(o, ops)
 
     def project_qkv(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ops
@@ -94,8 +115,9 @@ class Attention(nnx.Module):
         if hasattr(self, "q_norm"):
             q = rms_norm(q, self.q_norm[...], self.norm_eps)
             k = rms_norm(k, self.k_norm[...], self.norm_eps)
-        q = ops.constrain(apply_rope(q, *rope), "batch", "seq", "heads", "head_dim")
-        k = ops.constrain(apply_rope(k, *rope), "batch", "seq", "kv_heads", "head_dim")
+        cos, sin = rope[0], rope[1]
+        q = ops.constrain(apply_rope(q, cos, sin), "batch", "seq", "heads", "head_dim")
+        k = ops.constrain(apply_rope(k, cos, sin), "batch", "seq", "kv_heads", "head_dim")
         v = ops.constrain(v, "batch", "seq", "kv_heads", "head_dim")
         return q, k, v
 

@@ -91,10 +91,22 @@ def _first(q, k, v, scale, mask):
     return m, p.sum(-1), acc
 
 
-def _update(state, q, k, v, scale):
-    """Fold one unmasked K/V block into the online softmax ``state``."""
+def _seg_mask(qs, ks):
+    """Same-document mask ``(B, 1, 1, Sq, Sk)`` of query / key segment ids, or ``None``."""
+    return None if qs is None else (qs[:, None, None, :, None] == ks[:, None, None, None, :])
+
+
+def _both(a, b):
+    return b if a is None else a if b is None else a & b
+
+
+def _update(state, q, k, v, scale, mask=None):
+    """Fold one K/V block (``mask``: its same-document mask, or ``None``) into the online
+    softmax ``state``. Rows the block masks out entirely keep their state: their scores sit at
+    ``_MASKED``, far below the running max, whose first value came from the diagonal block where
+    every query sees at least itself."""
     m, l, acc = state
-    s = _scores(q, k, scale, None)
+    s = _scores(q, k, scale, mask)
     m_new = jnp.maximum(m, s.max(-1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[..., None])
@@ -152,7 +164,12 @@ def _shift(x, axis: str, cp: int):
     return jax.lax.ppermute(x, axis, [(i, (i + 1) % cp) for i in range(cp)])
 
 
-def _ring_forward(q, k, v, axis, causal, layout, scale):
+def _halves(x, c):
+    """``(x[:, :c], x[:, c:])`` along the sequence, or ``(None, None)``."""
+    return (None, None) if x is None else (x[:, :c], x[:, c:])
+
+
+def _ring_forward(q, k, v, seg, axis, causal, layout, scale):
     cp = jax.lax.axis_size(axis)
     b, s_local, n, hd = q.shape
     kh = k.shape[2]
@@ -160,38 +177,43 @@ def _ring_forward(q, k, v, axis, causal, layout, scale):
     c = s_local // 2
     r = jax.lax.axis_index(axis)
 
-    def step(t, kv, state):
+    def step(t, kv, ks, state):
         kt, vt = kv[0], kv[1]
         if not causal:
-            return _update(state, qg, kt, vt, scale)
+            return _update(state, qg, kt, vt, scale, _seg_mask(seg, ks))
         # t <= r: the block came from device r-t < r, before us (no wrap); else it wrapped, after us
         if layout == "contiguous":  # before: fully visible; after: fully masked, skipped
-            return jax.lax.cond(t <= r, lambda st: _update(st, qg, kt, vt, scale),
+            return jax.lax.cond(t <= r, lambda st: _update(st, qg, kt, vt, scale,
+                                                           _seg_mask(seg, ks)),
                                 lambda st: st, state)
         # zigzag: src < r -> all queries x first K/V half; src > r -> second query half x all K/V
-        early = lambda st: _update(st, qg, kt[:, :c], vt[:, :c], scale)
+        q_hi, k_lo = _halves(seg, c)[1], _halves(ks, c)[0]
+        early = lambda st: _update(st, qg, kt[:, :c], vt[:, :c], scale, _seg_mask(seg, k_lo))
         late = lambda st: _join(_rows(st, 0, c),
-                                _update(_rows(st, c, s_local), qg[:, c:], kt, vt, scale))
+                                _update(_rows(st, c, s_local), qg[:, c:], kt, vt, scale,
+                                        _seg_mask(q_hi, ks)))
         return jax.lax.cond(t <= r, early, late, state)
 
     kv = jnp.stack([k, v])                                                 # (2, B, S, K, H)
-    state = _first(qg, k, v, scale, _diag_mask(s_local, causal, layout))
+    state = _first(qg, k, v, scale, _both(_diag_mask(s_local, causal, layout),
+                                          _seg_mask(seg, seg)))
     if cp > 1:
-        nxt = _shift(kv, axis, cp)
+        # a packed batch's key segment ids travel around the ring with their K/V block
+        nxt = _shift((kv, seg), axis, cp)
 
         def body(carry, t):
-            kv, state = carry
-            return (_shift(kv, axis, cp), step(t, kv, state)), None        # send while computing
+            (kv, ks), state = carry
+            return (_shift((kv, ks), axis, cp), step(t, kv, ks, state)), None  # send, compute
 
         if cp > 2:
             (nxt, state), _ = jax.lax.scan(body, (nxt, state), jnp.arange(1, cp - 1))
-        state = step(cp - 1, nxt, state)
+        state = step(cp - 1, *nxt, state)
     m, l, acc = state
     out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, s_local, n, hd)
     return out.astype(q.dtype), m + jnp.log(l)                             # (B,S,N,H), (B,K,G,S)
 
 
-def _ring_backward(q, k, v, out, lse, do, axis, causal, layout, scale):
+def _ring_backward(q, k, v, seg, out, lse, do, axis, causal, layout, scale):
     cp = jax.lax.axis_size(axis)
     b, s_local, n, hd = q.shape
     kh = k.shape[2]
@@ -202,13 +224,14 @@ def _ring_backward(q, k, v, out, lse, do, axis, causal, layout, scale):
     c = s_local // 2
     r = jax.lax.axis_index(axis)
 
-    def full(kt, vt):
-        dq, dk, dv = _grads(qg, kt, vt, dog, lse, delta, scale, None)
-        return dq, jnp.stack([dk, dv])
-
-    def step(t, kv):
-        """(dq, dkv) contributions of the block held at step ``t``."""
+    def step(t, kv, ks):
+        """(dq, dkv) contributions of the block held at step ``t`` (key segment ids ``ks``)."""
         kt, vt = kv[0], kv[1]
+
+        def full(kt, vt):
+            dq, dk, dv = _grads(qg, kt, vt, dog, lse, delta, scale, _seg_mask(seg, ks))
+            return dq, jnp.stack([dk, dv])
+
         if not causal:
             return full(kt, vt)
         if layout == "contiguous":
@@ -219,32 +242,36 @@ def _ring_backward(q, k, v, out, lse, do, axis, causal, layout, scale):
                 return zero(qg.shape), zero(kv.shape)
             return jax.lax.cond(t <= r, full, skip, kt, vt)
 
+        q_hi, k_lo = _halves(seg, c)[1], _halves(ks, c)[0]
+
         def early(kt, vt):
-            dq, dk, dv = _grads(qg, kt[:, :c], vt[:, :c], dog, lse, delta, scale, None)
+            dq, dk, dv = _grads(qg, kt[:, :c], vt[:, :c], dog, lse, delta, scale,
+                                _seg_mask(seg, k_lo))
             dkv = jnp.stack([dk, dv])
             return dq, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=2)
 
         def late(kt, vt):
             dq, dk, dv = _grads(qg[:, c:], kt, vt, dog[:, c:], lse[..., c:], delta[..., c:],
-                                scale, None)
+                                scale, _seg_mask(q_hi, ks))
             return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), jnp.stack([dk, dv])
         return jax.lax.cond(t <= r, early, late, kt, vt)
 
     kv = jnp.stack([k, v])
-    dq, dk, dv = _grads(qg, k, v, dog, lse, delta, scale, _diag_mask(s_local, causal, layout))
+    dq, dk, dv = _grads(qg, k, v, dog, lse, delta, scale,
+                        _both(_diag_mask(s_local, causal, layout), _seg_mask(seg, seg)))
     dkv = jnp.stack([dk, dv])                                              # (2, B, S, K, H) fp32
     if cp > 1:
-        nxt = _shift(kv, axis, cp)
+        nxt = _shift((kv, seg), axis, cp)
 
         def body(carry, t):
-            kv, dkv, dq = carry
+            (kv, ks), dkv, dq = carry
             recv = _shift(dkv, axis, cp)     # the accumulator of the block we hold arrives...
-            ddq, ddkv = step(t, kv)          # ...while we compute our share of it
-            return (_shift(kv, axis, cp), recv + ddkv, dq + ddq), None
+            ddq, ddkv = step(t, kv, ks)      # ...while we compute our share of it
+            return (_shift((kv, ks), axis, cp), recv + ddkv, dq + ddq), None
 
         if cp > 2:
             (nxt, dkv, dq), _ = jax.lax.scan(body, (nxt, dkv, dq), jnp.arange(1, cp - 1))
-        ddq, ddkv = step(cp - 1, nxt)
+        ddq, ddkv = step(cp - 1, *nxt)
         dq, dkv = dq + ddq, _shift(dkv, axis, cp) + ddkv
         dkv = _shift(dkv, axis, cp)                                        # home: the cp-th hop
     return dq.reshape(q.shape), dkv[0], dkv[1]
@@ -259,20 +286,20 @@ def _like(ct, primal):
     return ct.astype(primal.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring(q, k, v, axis, causal, layout, scale):
-    return _ring_forward(q, k, v, axis, causal, layout, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q, k, v, seg, axis, causal, layout, scale):
+    return _ring_forward(q, k, v, seg, axis, causal, layout, scale)[0]
 
 
-def _ring_fwd(q, k, v, axis, causal, layout, scale):
-    out, lse = _ring_forward(q, k, v, axis, causal, layout, scale)
-    return out, (q, k, v, out, lse)
+def _ring_fwd(q, k, v, seg, axis, causal, layout, scale):
+    out, lse = _ring_forward(q, k, v, seg, axis, causal, layout, scale)
+    return out, (q, k, v, seg, out, lse)
 
 
 def _ring_bwd(axis, causal, layout, scale, res, do):
-    q, k, v, out, lse = res
-    dq, dk, dv = _ring_backward(q, k, v, out, lse, do, axis, causal, layout, scale)
-    return _like(dq, q), _like(dk, k), _like(dv, v)
+    q, k, v, seg, out, lse = res
+    dq, dk, dv = _ring_backward(q, k, v, seg, out, lse, do, axis, causal, layout, scale)
+    return _like(dq, q), _like(dk, k), _like(dv, v), None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -280,14 +307,18 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = "context",
                    causal: bool = True, layout: str = "zigzag",
-                   scale: float | None = None) -> jax.Array:
+                   scale: float | None = None, segment_ids: jax.Array | None = None
+                   ) -> jax.Array:
     """Attention over a sequence sharded over mesh axis ``axis``; call per device in ``shard_map``.
 
     ``q [B,S_local,N,H]``, ``k, v [B,S_local,K,H]`` with ``N`` a multiple of ``K`` (GQA: query head
     ``n`` uses K/V head ``n // (N/K)``, as ``jax.nn.dot_product_attention``; K/V are never
     repeated) -> ``[B,S_local,N,H]`` in ``q.dtype``. The local blocks must be in ``layout`` order
     (see :func:`to_layout`). Forward: ``cp-1`` ppermutes of the stacked K/V over ``axis``.
-    Backward: ``cp-1`` K/V ppermutes and ``cp`` fp32 dK/dV ppermutes. Other manual axes (batch
+    Backward: ``cp-1`` K/V ppermutes and ``cp`` fp32 dK/dV ppermutes. ``segment_ids
+    [B,S_local]`` (a packed batch's documents, in the same layout order): a query sees only keys
+    of its own segment; the key segment ids travel with their K/V block (one more small
+    ppermute per exchange). Other manual axes (batch
     over ``data``, heads over ``model``) pass through untouched.
     """
     if layout not in LAYOUTS:
@@ -306,4 +337,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = "con
                          f"({q.shape[1]}) must be even, i.e. the sequence divisible by 2*cp="
                          f"{2 * cp}; pad it or use layout='contiguous'")
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
-    return _ring(q, k, v, axis, causal, layout, scale)
+    if segment_ids is not None and segment_ids.shape != q.shape[:2]:
+        raise ValueError(f"segment_ids {segment_ids.shape} must be [B,S_local] = {q.shape[:2]}")
+    return _ring(q, k, v, segment_ids, axis, causal, layout, scale)
