@@ -20,6 +20,9 @@ LAYOUTS = {
     "data=2 x model=4": {"parallel.data": 2, "parallel.model": 4},
     "data=2 x model=4, explicit": {"parallel.data": 2, "parallel.model": 4,
                                    "parallel.mode": "explicit"},
+    "data=2 x model=4, explicit, SP, ZeRO-3": {
+        "parallel.data": 2, "parallel.model": 4, "parallel.mode": "explicit",
+        "parallel.sequence_parallel": True, "parallel.zero_stage": 3},
     "context=2 zigzag x data=2 x model=2": {"parallel.context": 2, "parallel.data": 2,
                                             "parallel.model": 2},
     "context=4 contiguous x model=2, explicit": {
@@ -112,3 +115,45 @@ def test_a_packed_document_scores_as_it_does_alone():
         alone = np.asarray(model.token_losses(batch["inputs"][row:row + 1, idx],
                                               batch["targets"][row:row + 1, idx]))[0]
         np.testing.assert_allclose(packed[row, idx], alone, rtol=2e-5, atol=2e-5)
+
+
+def _census(overrides, packed):
+    from jaxtp import hlo
+
+    cfg = jaxtp.config("tiny", overrides)
+    eng = engine.build(cfg)
+    params, batch = eng.abstract_inputs()
+    if packed:
+        batch = {**batch, **{k: batch["inputs"] for k in ("segment_ids", "positions",
+                                                           "loss_mask")}}
+    text = eng.loss_and_grad().lower(params, batch).compile().as_text()
+    return [(o.kind, o.axes, o.bytes // o.tensors) for o in hlo.collectives(
+        text, dict(eng.layout.degrees)) for _ in range(o.tensors * o.executions)]
+
+
+def _extra(packed, plain):
+    extra = list(packed)
+    for op in plain:
+        assert op in extra, f"packing removed {op}"
+        extra.remove(op)
+    return extra
+
+
+@pytest.mark.parametrize("mode", ["gspmd", "explicit"])
+def test_packing_adds_one_scalar_all_reduce_to_the_tp_census(mode):
+    """data=2 x model=4: a packed step's census is the unpacked one plus the global count of the
+    loss mask's tokens (4 bytes over ``data``); the TP collectives are untouched."""
+    over = {"parallel.data": 2, "parallel.model": 4, "parallel.mode": mode}
+    assert _extra(_census(over, True), _census(over, False)) == [("all-reduce", ("data",), 4)]
+
+
+def test_packing_under_context_parallelism_moves_only_ids():
+    """context=4 zigzag x model=2: what packing adds is id-sized -- the key segment ids riding
+    the ring, the extra batch entries put in the zigzag order, the token count -- never an
+    activation (one ring K/V block is 32x larger)."""
+    over = {"parallel.context": 4, "parallel.model": 2, "parallel.mode": "explicit"}
+    extra = _extra(_census(over, True), _census(over, False))
+    ids = 8 * 64 * 4  # the whole global [B, S] int32 array
+    assert extra and max(size for _, _, size in extra) <= ids
+    ring = [op for op in extra if op == ("collective-permute", ("context",), ids // 4)]
+    assert ring  # the key segment ids travel with their K/V blocks
