@@ -126,6 +126,10 @@ def validate_settings(cfg) -> None:
         raise ConfigError(f"data.tokenizer_path={d.tokenizer_path!r} is set but "
                           f"data.tokenizer={d.tokenizer!r} does not read it; add "
                           f"data.tokenizer=bpe or drop the path")
+    _check_int("data.eos_id", d.eos_id, -1, None)
+    if not d.text_field.strip():
+        raise ConfigError("data.text_field='' is empty; name the JSONL field / Parquet column "
+                          "that holds the text, e.g. data.text_field=text")
 
 
 def check_devices(n: int | None) -> None:
@@ -151,33 +155,44 @@ def _looks_binary(path: Path) -> bool:
         return False
 
 
-def _check_data_path(text: str) -> None:
+_RECORD_SUFFIXES = (".parquet", ".arrayrecord", ".array_record")  # binary by design
+
+
+def _check_data_path(text: str, key: str = "data.path") -> None:
     if not text:
         return  # the embedded corpus
+    if any(c in text for c in "*?["):
+        import glob
+
+        if not glob.glob(os.path.expanduser(text), recursive=True):
+            raise ConfigError(f"{key}={text!r} matches no files; check the pattern")
+        return
     path = Path(os.path.expanduser(text))
     if not path.exists():
-        raise ConfigError(f"data.path={text!r} does not exist")
+        raise ConfigError(f"{key}={text!r} does not exist")
+    if (path / "manifest.json").is_file():
+        return  # a set made by jaxtp prepare-data (checked against the tokenizer when opened)
     if path.suffix == ".bin":
         if not path.is_file():
-            raise ConfigError(f"data.path={text!r} is a directory, but a .bin name means one "
+            raise ConfigError(f"{key}={text!r} is a directory, but a .bin name means one "
                               f"token file; point at the file, or rename the directory")
         width = 4 if path.name.endswith(".u32.bin") else 2
         size = path.stat().st_size
         if size == 0:
-            raise ConfigError(f"data.path={text!r} is empty (0 tokens)")
+            raise ConfigError(f"{key}={text!r} is empty (0 tokens)")
         if size % width:
-            raise ConfigError(f"data.path={text!r} has {size} bytes, not a whole number of "
+            raise ConfigError(f"{key}={text!r} has {size} bytes, not a whole number of "
                               f"{8 * width}-bit tokens; the file is truncated or not a "
                               f"{'.u32' if width == 4 else 'uint16'} .bin token file")
         return
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     if not files:
-        raise ConfigError(f"data.path={text!r} is a directory with no files")
+        raise ConfigError(f"{key}={text!r} is a directory with no files")
     if all(p.stat().st_size == 0 for p in files):
-        raise ConfigError(f"data.path={text!r} holds no text (0 bytes)")
-    binary = [p for p in files if _looks_binary(p)]
+        raise ConfigError(f"{key}={text!r} holds no text (0 bytes)")
+    binary = [p for p in files if not p.name.endswith(_RECORD_SUFFIXES) and _looks_binary(p)]
     if binary:
-        raise ConfigError(f"data.path={text!r}: {binary[0]} is binary (it has NUL bytes), not "
+        raise ConfigError(f"{key}={text!r}: {binary[0]} is binary (it has NUL bytes), not "
                           f"text; pass a pre-tokenised .bin token file, or remove it from the "
                           f"corpus ({len(binary)} such file(s))")
 
@@ -215,6 +230,8 @@ def _check_out_dir(text: str) -> None:
 def check_run_files(cfg) -> None:
     """The data, tokenizer and run directory of ``jaxtp train`` (see the module docstring)."""
     _check_data_path(cfg.data.path)
+    for part in filter(None, (p.strip() for p in cfg.data.mixture.split(","))):
+        _check_data_path(part.rpartition(":")[0] or part, key="data.mixture entry")
     _check_tokenizer(cfg.data.tokenizer_path)
     _check_out_dir(cfg.train.out_dir)
 

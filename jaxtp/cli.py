@@ -1,4 +1,5 @@
-"""``jaxtp train | inspect | plan | sample | eval`` (also ``python -m jaxtp``).
+"""``jaxtp train | inspect | plan | sample | eval | prepare-data | import-hf | export-hf`` (also
+``python -m jaxtp``).
 
 ``sample`` and ``eval`` load a run directory (``--run``: what ``jaxtp train`` or ``Model.save``
 writes) with optional ``parallel.*`` overrides. The other verbs take ``--config NAME`` (a preset) and dotted ``section.field=value`` overrides, e.g.
@@ -132,6 +133,19 @@ def _hf_verbs(verbs) -> None:
     exp.add_argument("run_dir", help="a run directory (jaxtp train's train.out_dir)")
     exp.add_argument("out", help="the HF directory to write")
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    pre = verbs.add_parser("prepare-data", help="tokenise documents (text, JSONL, Parquet, "
+                                                "ArrayRecord) once into ArrayRecord shards that "
+                                                "data.path / data.mixture read")
+    pre.add_argument("src", nargs="+", help="files, directories or globs of documents")
+    pre.add_argument("--out", required=True, help="the directory to write")
+    pre.add_argument("--tokenizer", default="byte",
+                     help="byte (default), bpe (train one of --vocab-size tokens on the "
+                          "sources), or the path of a HuggingFace tokenizer.json")
+    pre.add_argument("--vocab-size", type=int, default=4096, help="for --tokenizer bpe")
+    pre.add_argument("--text-field", default="text",
+                     help="the JSONL field / Parquet column that holds the text")
+    pre.add_argument("--eos-id", type=int, default=-1,
+                     help="end-of-document id (default: the tokenizer's)")
     for sub in (imp, exp):
         sub.add_argument("--devices", type=int, default=None,
                          help="simulate N CPU devices (default: accelerators if any, else 8)")
@@ -194,7 +208,19 @@ def _use_devices(n: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        check_values.check_devices(args.devices)
+        check_values.check_devices(getattr(args, "devices", None))
+        if args.verb == "prepare-data":
+            from jaxtp.prepare import prepare
+
+            m = prepare(args.src, args.out, tokenizer=args.tokenizer,
+                        vocab_size=args.vocab_size, text_field=args.text_field,
+                        eos_id=args.eos_id, progress=sys.stderr.isatty())
+            print(f"prepared {m['documents']} documents, {m['tokens']} tokens "
+                  f"({m['tokenizer_hash']}) in {len(m['shards'])} shard(s) under {args.out}; "
+                  f"train on it with data.path={args.out}"
+                  + (f" data.tokenizer=bpe data.tokenizer_path={m['tokenizer_path']}"
+                     if m["tokenizer"] == "bpe" else ""))
+            return 0
         if args.verb in ("import-hf", "export-hf"):
             _use_devices(args.devices)
             return _run_hf_verb(args)

@@ -165,6 +165,10 @@ class DataConfig:
     # model.vocab_size tokens on the corpus itself (cached beside the run in train.out_dir).
     tokenizer_path: str = ""
     eval_fraction: float = 0.02
+    packing: bool = True  # documents stay apart (segment ids); false: one continuous stream
+    mixture: str = ""  # weighted sources instead of data.path: "a.jsonl:0.7,b.parquet:0.3"
+    text_field: str = "text"  # the field / column holding the text in JSONL, Parquet, ArrayRecord
+    eos_id: int = -1  # end-of-document token; -1 = the tokenizer's (byte 0, or BPE <|endoftext|>)
 
 
 @dataclass(frozen=True)

@@ -1,158 +1,155 @@
-"""Tokenised training data with deterministic, process-sharded batches.
+"""Training batches: packed documents from one corpus or a weighted mixture, deterministic by
+(seed, step), sharded by process, resumable exactly.
 
-The embedded default corpus is the Python standard library's own source, read from the running
-interpreter, so every machine has real text to learn from without a download. ``data.path`` may
-point at a text file, a directory of text files, or a pre-tokenised ``.bin`` token file (uint16,
-the format nanoGPT and Megatron users already have; ``.u32.bin`` for uint32). The tokenizer is
-byte-level (vocab 256) by default, or a HuggingFace BPE (``data.tokenizer=bpe``) loaded from a
-``tokenizer.json`` or trained locally on the corpus. Batches walk shuffled epochs of non-overlapping windows and are a pure
-function of (seed, step): the loader's state is its step counter, so resuming is exact, and each
-process materialises only its own rows of the global batch. (grain offers the same guarantees for
-record datasets; for one contiguous token array this arithmetic is all that is needed.)
+Each source (:mod:`jaxtp.sources`) is one token stream with its document starts. Its rows are
+windows of ``seq_len + 1`` tokens on a grid, visited in a shuffled order that grain's
+``MapDataset.range(n).shuffle(seed).repeat()`` draws afresh each epoch, so within an epoch every
+window is seen once. With ``data.packing=true`` (the default) a window that crosses documents is
+*packed*: each row carries ``segment_ids`` (1, 2, ... per document in the row), ``positions``
+(each token's place in its document, for RoPE) and ``loss_mask`` (0 where the target is the next
+document's first token) beside ``inputs`` and ``targets``, and the model keeps attention inside
+each document. A document longer than a row continues in the next window with its positions
+running on. ``data.packing=false`` gives the one continuous stream of earlier releases: windows
+of ``inputs`` / ``targets`` only.
+
+A mixture (``data.mixture="a.jsonl:0.7,b.parquet:0.3"``) draws each global row's source with
+``numpy.random.default_rng((seed, step))`` and the given weights; a source's k-th row is the k-th
+of its own shuffled window stream. The loader's state is the step, the mixture, and the rows each
+source has given, so a resume continues exactly, and a resume with a changed mixture continues
+each source where it stopped (the change is logged). Process ``p`` of ``P`` materialises rows
+``[p B/P, (p+1) B/P)`` of each global batch.
 """
 
 from __future__ import annotations
 
-import os
-import sysconfig
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 
-from jaxtp.config import ConfigError, DataConfig
-
-_DEFAULT_BYTES = 8 * 2**20  # 8 MiB of the stdlib is plenty for the tiny preset
-
-
-def _read_text_files(paths: list[Path], limit: int | None) -> np.ndarray:
-    chunks, total = [], 0
-    for p in paths:
-        try:
-            data = p.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        total += len(data)
-        if limit is not None and total >= limit:
-            break
-    if not chunks:
-        raise ConfigError("no readable text found for the corpus; check data.path")
-    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+from jaxtp import corpus, sources
+from jaxtp.check_values import check_eval_split
+from jaxtp.config import Config, ConfigError
+from jaxtp.corpus import load_tokens, parse_mixture  # noqa: F401  (public names)
+from jaxtp.sources import ArrayStream, bpe_encode, bpe_tokenizer  # noqa: F401  (public names)
 
 
-def load_tokens(cfg: DataConfig, *, vocab_size: int = 256, cache_dir: str | None = None
-                ) -> np.ndarray:
-    """The whole corpus as a 1-D array of token ids (bytes, or BPE ids for ``tokenizer=bpe``)."""
-    raw = _load_raw(cfg)
-    if cfg.tokenizer == "byte" or raw.dtype != np.uint8:
-        return raw
-    return bpe_encode(raw.tobytes(), tokenizer=bpe_tokenizer(cfg, raw.tobytes(), vocab_size,
-                                                             cache_dir))
+class Source:
+    """One stream as rows: window ``k`` of the stream's infinite, per-epoch shuffled order."""
+
+    def __init__(self, name: str, stream, *, seq_len: int, seed: int, packing: bool):
+        import grain
+
+        self.name, self.stream, self.seq_len = name, stream, seq_len
+        self.packed = packing and stream.offsets is not None
+        self.n_windows = (len(stream) - 1) // seq_len
+        if self.n_windows < 1:
+            raise ConfigError(f"data source {name or '(embedded)'!r} holds {len(stream)} tokens, "
+                              f"less than one window of train.seq_len={seq_len} + 1; use more "
+                              f"data or a shorter train.seq_len")
+        self.order = grain.MapDataset.range(self.n_windows).shuffle(seed=seed % 2**32).repeat()
+
+    def window_ids(self, ks: np.ndarray) -> np.ndarray:
+        return np.array([self.order[int(k)] for k in ks], dtype=np.int64)
+
+    def rows(self, ks: np.ndarray) -> dict[str, np.ndarray]:
+        return self.windows(self.window_ids(ks))
+
+    def windows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        s = self.seq_len
+        toks = np.stack([self.stream.read(w * s, w * s + s + 1) for w in ids]).astype(np.int32)
+        batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+        if self.packed:
+            pos = ids[:, None] * s + np.arange(s + 1)[None, :]
+            doc = np.searchsorted(self.stream.offsets, pos, side="right") - 1
+            seg = (doc - doc[:, :1] + 1).astype(np.int32)
+            batch["segment_ids"] = seg[:, :-1]
+            batch["positions"] = (pos - self.stream.offsets[doc])[:, :-1].astype(np.int32)
+            batch["loss_mask"] = (seg[:, :-1] == seg[:, 1:]).astype(np.int32)
+        return batch
 
 
-def bpe_tokenizer(cfg: DataConfig, text: bytes, vocab_size: int, cache_dir: str | None):
-    """A HuggingFace byte-level BPE: loaded from ``data.tokenizer_path`` or trained on ``text``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if cfg.tokenizer_path:
-        path = Path(os.path.expanduser(cfg.tokenizer_path))
-        if not path.exists():
-            raise ConfigError(f"data.tokenizer_path={cfg.tokenizer_path!r} does not exist")
-        tok = Tokenizer.from_file(str(path))
-    else:
-        cached = Path(cache_dir) / f"bpe-{vocab_size}.json" if cache_dir else None
-        if cached is not None and cached.exists():
-            return Tokenizer.from_file(str(cached))
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        lines = text.decode("utf-8", errors="replace").splitlines()
-        tok.train_from_iterator(lines, trainer=trainer)
-        if cached is not None:  # write-then-rename: other processes may be reading it
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_name(f"{cached.name}.{os.getpid()}")
-            tok.save(str(tmp))
-            os.replace(tmp, cached)
-    if tok.get_vocab_size() > vocab_size:
-        raise ConfigError(f"the tokenizer has {tok.get_vocab_size()} tokens but model.vocab_size="
-                          f"{vocab_size}; set model.vocab_size >= {tok.get_vocab_size()}")
-    return tok
-
-
-def bpe_encode(text: bytes, *, tokenizer) -> np.ndarray:
-    lines = text.decode("utf-8", errors="replace").splitlines(keepends=True)
-    ids = [i for enc in tokenizer.encode_batch(lines) for i in enc.ids]
-    return np.asarray(ids, dtype=np.uint32)
-
-
-def _load_raw(cfg: DataConfig) -> np.ndarray:
-    if not cfg.path:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-        return _read_text_files(files, _DEFAULT_BYTES)
-    path = Path(os.path.expanduser(cfg.path))
-    if not path.exists():
-        raise ConfigError(f"data.path={cfg.path!r} does not exist")
-    if path.suffix == ".bin":
-        dtype = np.uint32 if path.name.endswith(".u32.bin") else np.uint16
-        return np.memmap(path, dtype=dtype, mode="r")
-    if path.is_dir():
-        return _read_text_files(sorted(p for p in path.rglob("*") if p.is_file()), None)
-    return _read_text_files([path], None)
-
-
-@dataclass
 class Loader:
-    """Epochs over non-overlapping windows of ``seq_len + 1`` tokens, reshuffled each epoch.
+    """This process's rows of each global batch, from ``sources`` drawn with ``weights``.
 
-    Global sample ``g = step x batch_size + row`` is window ``perm_e[g mod n]`` of epoch
-    ``e = g div n``, so within an epoch every window is seen exactly once, the batch at ``step`` is a
-    pure function of ``(seed, step)``, and the checkpointed state is just the step counter. Process
-    ``p`` of ``P`` materialises rows ``[p B/P, (p+1) B/P)`` of each global batch.
-    """
+    ``Loader(tokens, batch_size=, seq_len=, seed=)`` is one unbroken stream (a token array);
+    :func:`loaders` builds the configured one."""
 
-    tokens: np.ndarray
-    batch_size: int
-    seq_len: int
-    seed: int
-    process_index: int = 0
-    process_count: int = 1
-    step: int = 0
+    def __init__(self, tokens=None, *, batch_size: int, seq_len: int, seed: int,
+                 process_index: int = 0, process_count: int = 1, step: int = 0,
+                 sources_: list[Source] | None = None, weights: list[float] | None = None,
+                 mixture: str = ""):
+        if sources_ is None:
+            sources_ = [Source("", ArrayStream(np.asarray(tokens), None), seq_len=seq_len,
+                               seed=seed, packing=False)]
+        self.sources, self.mixture = sources_, mixture
+        self.weights = np.asarray(weights if weights is not None else [1.0] * len(sources_))
+        self.weights = self.weights / self.weights.sum()
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.process_index, self.process_count, self.step = process_index, process_count, step
+        if batch_size % process_count:
+            raise ConfigError(f"train.batch_size={batch_size} is not divisible by the "
+                              f"{process_count} processes")
+        if len(sources_) == 1 and sources_[0].n_windows < batch_size:
+            raise ConfigError(f"the corpus ({len(sources_[0].stream)} tokens) holds "
+                              f"{sources_[0].n_windows} windows of train.seq_len={seq_len}, "
+                              f"fewer than train.batch_size={batch_size}; use more data or "
+                              f"smaller batches")
+        self._base = (0, np.zeros(len(sources_), np.int64))  # (step, rows given before it)
+        self._cache = self._base
 
-    def __post_init__(self):
-        self.n_windows = (len(self.tokens) - 1) // self.seq_len
-        if self.n_windows < self.batch_size:
-            raise ConfigError(f"the corpus ({len(self.tokens)} tokens) holds {self.n_windows} "
-                              f"windows of train.seq_len={self.seq_len}, fewer than "
-                              f"train.batch_size={self.batch_size}; use more data or smaller "
-                              f"batches")
-        if self.batch_size % self.process_count:
-            raise ConfigError(f"train.batch_size={self.batch_size} is not divisible by the "
-                              f"{self.process_count} processes")
-        self._perms: dict[int, np.ndarray] = {}
+    # -- which source and which of its rows each global row takes -------------------------------
+    def _choices(self, step: int) -> np.ndarray:
+        if len(self.sources) == 1:
+            return np.zeros(self.batch_size, np.int64)
+        rng = np.random.default_rng((self.seed, 0x6D6978, step))
+        return rng.choice(len(self.sources), size=self.batch_size, p=self.weights)
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms = {epoch: np.random.default_rng((self.seed, epoch)).permutation(
-                self.n_windows)}
-        return self._perms[epoch]
+    def given(self, step: int) -> np.ndarray:
+        """Rows each source has given to global batches before ``step``."""
+        if len(self.sources) == 1:
+            base_step, base = self._base
+            return base + (step - base_step) * self.batch_size
+        at, counts = self._cache if self._cache[0] <= step else self._base
+        if step < at:
+            raise ValueError(f"step {step} is before the loader's resume point {at}")
+        counts = counts.copy()
+        for s in range(at, step):
+            counts += np.bincount(self._choices(s), minlength=len(self.sources))
+        self._cache = (step, counts)
+        return counts
+
+    def _plan(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, row within the source) of this process's rows of global batch ``step``."""
+        choice, before = self._choices(step), self.given(step)
+        k = np.empty(self.batch_size, np.int64)
+        for j in range(len(self.sources)):
+            mine = choice == j
+            k[mine] = before[j] + np.arange(int(mine.sum()))
+        rows = self.batch_size // self.process_count
+        lo = self.process_index * rows
+        return choice[lo:lo + rows], k[lo:lo + rows]
 
     def window_ids(self, step: int) -> np.ndarray:
-        """Window index of each of this process's rows of global batch ``step``."""
-        rows = self.batch_size // self.process_count
-        first = step * self.batch_size + self.process_index * rows
-        g = np.arange(first, first + rows)
-        return np.array([self._perm(int(i // self.n_windows))[i % self.n_windows] for i in g])
+        """Window index (in its source) of each of this process's rows of batch ``step``."""
+        choice, k = self._plan(step)
+        out = np.empty(len(k), np.int64)
+        for j, src in enumerate(self.sources):
+            out[choice == j] = src.window_ids(k[choice == j])
+        return out
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch ``step``."""
-        starts = self.window_ids(step) * self.seq_len
-        windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts])
-        windows = windows.astype(np.int32)
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+        choice, k = self._plan(step)
+        parts = {j: src.rows(k[choice == j]) for j, src in enumerate(self.sources)
+                 if (choice == j).any()}
+        first = next(iter(parts.values()))
+        out = {key: np.empty((len(k), self.seq_len), np.int32) for key in first}
+        for j, part in parts.items():
+            if set(part) != set(out):
+                raise ConfigError("the sources of data.mixture disagree on packing (a token file "
+                                  "without document ends beside documents); give every source "
+                                  "documents or set data.packing=false")
+            for key, v in part.items():
+                out[key][choice == j] = v
+        return out
 
     def __next__(self) -> dict[str, np.ndarray]:
         batch = self.batch_at(self.step)
@@ -162,15 +159,70 @@ class Loader:
     def __iter__(self):
         return self
 
+    # -- state -----------------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"step": self.step, "seed": self.seed}
+        given = self.given(self.step)
+        return {"step": self.step, "seed": self.seed, "mixture": self.mixture,
+                "given": {s.name: int(n) for s, n in zip(self.sources, given)}}
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict) -> str | None:
+        """Continue from ``state``; returns a line describing a changed mixture, else ``None``."""
         self.step, self.seed = int(state["step"]), int(state["seed"])
-        self._perms = {}
+        saved = state.get("given")
+        if saved is None:  # one source, saved before mixtures: every row came from it
+            saved = {self.sources[0].name: self.step * self.batch_size}
+        counts = np.array([int(saved.get(s.name, 0)) for s in self.sources], np.int64)
+        self._base = self._cache = (self.step, counts)
+        old = state.get("mixture", self.mixture)
+        if old != self.mixture:
+            return (f"data: the mixture changed on resume at step {self.step}: was {old!r}, now "
+                    f"{self.mixture!r}; each source continues after the rows it gave "
+                    f"({', '.join(f'{k}: {v}' for k, v in saved.items())})")
+        return None
+
+    def log_fields(self) -> dict:
+        """For the metrics record: a mixture's realised proportions so far."""
+        if len(self.sources) == 1:
+            return {}
+        given = self.given(self.step)
+        total = max(int(given.sum()), 1)
+        return {"data_mixture": {s.name: round(int(n) / total, 4)
+                                 for s, n in zip(self.sources, given)}}
+
+    def describe(self) -> str:
+        """One line: each source's weight, documents and tokens, and whether rows are packed."""
+        parts = []
+        for s, w in zip(self.sources, self.weights):
+            docs = "unbroken" if s.stream.offsets is None else f"{len(s.stream.offsets) - 1} docs"
+            parts.append(f"{s.name or '(embedded corpus)'} x{w:.3g} ({docs}, {len(s.stream)} "
+                         f"tokens)")
+        packed = "packed documents" if self.sources[0].packed else "one continuous stream"
+        return f"data: {', '.join(parts)}; {packed}"
 
 
 def train_eval_split(tokens: np.ndarray, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """The last ``eval_fraction`` of the corpus is held out."""
     cut = int(len(tokens) * (1.0 - eval_fraction))
     return tokens[:cut], tokens[cut:]
+
+
+def loaders(cfg: Config, *, cache_dir: str | None = None, process_index: int = 0,
+            process_count: int = 1) -> tuple[Loader, Loader]:
+    """``(train, held out)`` loaders of the configured corpus: every source's last
+    ``data.eval_fraction`` is held out, drawn with the same weights."""
+    t, d = cfg.train, cfg.data
+    streams = corpus.open_streams(d, vocab_size=cfg.model.vocab_size, cache_dir=cache_dir)
+    train, held, weights = [], [], []
+    for j, (name, weight, stream) in enumerate(streams):
+        tr, ev = sources.split(stream, d.eval_fraction)
+        if len(streams) == 1:
+            check_eval_split(cfg, len(ev))
+        train.append(Source(name, tr, seq_len=t.seq_len, seed=t.seed + 7919 * j,
+                            packing=d.packing))
+        held.append(Source(name, ev, seq_len=t.seq_len, seed=t.seed + 1 + 7919 * j,
+                           packing=d.packing))
+        weights.append(weight)
+    args = dict(batch_size=t.batch_size, seq_len=t.seq_len, process_index=process_index,
+                process_count=process_count, weights=weights, mixture=d.mixture)
+    return (Loader(seed=t.seed, sources_=train, **args),
+            Loader(seed=t.seed + 1, sources_=held, **args))

@@ -149,6 +149,7 @@ class Loop:
                "tokens_per_s": t.batch_size * t.seq_len / dt, "step_time_s": dt,
                "mfu": self.flops_per_step / dt / self.peak}
         rec.update(moe_record(metrics))
+        rec.update(self.loader.log_fields())  # a mixture's realised proportions
         if first:  # the first window includes compilation
             rec["includes_compile"] = True
         if step % t.eval_every == 0 or step == t.steps:

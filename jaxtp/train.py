@@ -25,12 +25,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtp import data as data_lib
 from jaxtp import engine as engine_lib
 from jaxtp import events, integrity, optim, run_guard
-from jaxtp.check_values import check_eval_split, check_run_files
-from jaxtp.config import Config, ConfigError
-from jaxtp.run_dir import write_run_config
+from jaxtp.check_values import check_run_files
+from jaxtp.config import Config
 from jaxtp.fit_check import fit_warning
 from jaxtp.flops import model_flops, peak_flops
 from jaxtp.loop import Loop, TrainingDiverged  # noqa: F401  (TrainingDiverged: public here)
+from jaxtp.run_dir import write_run_config
+
 
 @dataclass
 class TrainState:
@@ -213,7 +214,9 @@ def _initial_state(trainer: Trainer, ckpt, loader, *, log: bool) -> tuple[TrainS
     if good is None:
         return trainer.init_state(), 0
     _, state, data_state = good
-    loader.restore(data_state)
+    changed = loader.restore(data_state)
+    if changed:
+        say(changed)
     return state, int(state.step)
 
 
@@ -222,19 +225,11 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
     from jaxtp.checkpoint import Checkpointer
 
     t = cfg.train
-    tokens = data_lib.load_tokens(cfg.data, vocab_size=cfg.model.vocab_size,
-                                  cache_dir=t.out_dir)
-    if int(tokens.max()) >= cfg.model.vocab_size:
-        raise ConfigError(f"the corpus has token id {int(tokens.max())} >= model.vocab_size="
-                          f"{cfg.model.vocab_size}")
-    train_tokens, eval_tokens = data_lib.train_eval_split(tokens, cfg.data.eval_fraction)
-    check_eval_split(cfg, len(eval_tokens))
+    loader, eval_loader = data_lib.loaders(cfg, cache_dir=t.out_dir,
+                                           process_index=jax.process_index(),
+                                           process_count=jax.process_count())
     trainer = trainer or Trainer(cfg, devices)
     eng = trainer.engine
-    loader_args = dict(batch_size=t.batch_size, seq_len=t.seq_len,
-                       process_index=jax.process_index(), process_count=jax.process_count())
-    loader = data_lib.Loader(train_tokens, seed=t.seed, **loader_args)
-    eval_loader = data_lib.Loader(eval_tokens, seed=t.seed + 1, **loader_args)
 
     out = Path(t.out_dir)
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg,
@@ -249,6 +244,7 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
         print(f"resuming from step {start} ({ckpt.directory})", flush=True)
     if is_main:  # the resolved config, in the log and beside the metrics
         print(events.config_line(cfg), flush=True)
+        print(loader.describe(), flush=True)
         write_run_config(cfg, out)
     if start >= t.steps:
         if is_main:
