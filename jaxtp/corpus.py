@@ -122,7 +122,8 @@ def open_streams(cfg: DataConfig, *, vocab_size: int = 256, cache_dir: str | Non
             _check_prepared(path, manifest, tokenizer, vocab_size if check_vocab else 2**32)
             root = Path(os.path.expanduser(path))
             stream = RecordStream([str(root / s) for s in manifest["shards"]],
-                                  np.load(root / "lengths.npy"), manifest["dtype"],
+                                  np.load(root / "lengths.npy"), np.load(root / "offsets.npy"),
+                                  manifest["dtype"],
                                   manifest["max_token"], packing=packing)
         elif sources.is_token_file(path):
             stream = _token_file(path, eos, packing)

@@ -54,7 +54,8 @@ class Source:
 
     def windows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         s = self.seq_len
-        toks = np.stack([self.stream.read(w * s, w * s + s + 1) for w in ids]).astype(np.int32)
+        spans = [(int(w) * s, int(w) * s + s + 1) for w in ids]
+        toks = np.stack(sources.read_many(self.stream, spans)).astype(np.int32)
         batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
         if self.packed:
             pos = ids[:, None] * s + np.arange(s + 1)[None, :]

@@ -2,9 +2,11 @@
 
 Every document of the sources (text files, JSONL, Parquet, ArrayRecord; see
 :mod:`jaxtp.sources`) is tokenised, followed by the end-of-document token, and written as one
-record of an ArrayRecord shard (``shard-00000.arrayrecord``, ...) of its token ids. Beside the
-shards go ``lengths.npy`` (tokens per document, so a loader finds any window without reading
-the shards) and ``manifest.json``: documents, tokens, the largest id, the token dtype and the
+run of records of an ArrayRecord shard (``shard-00000.arrayrecord``, ...) of its token ids, at
+most ``record_tokens`` per record so that a window reads a few KiB, not a whole long document.
+Beside the shards go ``lengths.npy`` (tokens per record) and ``offsets.npy`` (where each
+document starts in the token stream, and its end), so a loader finds any window and its
+documents without scanning the shards, and ``manifest.json``: documents, tokens, the largest id, the token dtype and the
 tokenizer's hash. A BPE tokenizer (trained here for ``bpe``, copied for a ``tokenizer.json``
 path) is saved as ``DIR/tokenizer.json``. Training reads the directory as a ``data.path`` or a
 ``data.mixture`` entry and refuses it unless the run tokenizes with the same tokenizer.
@@ -49,7 +51,7 @@ def _tokenizer(spec: str, out: Path, files: list[Path], text_field: str, vocab_s
 
 def prepare(srcs: list[str], out: str, *, tokenizer: str = "byte", vocab_size: int = 4096,
             text_field: str = "text", eos_id: int = -1, shard_tokens: int = 64 * 2**20,
-            progress: bool = True) -> dict:
+            record_tokens: int = 4096, progress: bool = True) -> dict:
     """Tokenise ``srcs`` into ArrayRecord shards under ``out``; returns the manifest."""
     from array_record.python.array_record_module import ArrayRecordWriter
     from tqdm import tqdm
@@ -67,7 +69,7 @@ def prepare(srcs: list[str], out: str, *, tokenizer: str = "byte", vocab_size: i
     encode = sources.Encoder(tok, sources.eos_id(DataConfig(eos_id=eos_id,
                                                             tokenizer="bpe" if tok else "byte"),
                                                  tok))
-    shards, lengths, max_token = [], [], 0
+    shards, lengths, docs_len, max_token = [], [], [], 0
     writer, shard_size = None, 0
     bar = tqdm(files, desc="prepare-data", unit="file", disable=not progress)
     for f in bar:
@@ -80,19 +82,23 @@ def prepare(srcs: list[str], out: str, *, tokenizer: str = "byte", vocab_size: i
                     shards.append(f"shard-{len(shards):05d}.arrayrecord")
                     writer, shard_size = ArrayRecordWriter(str(root / shards[-1]),
                                                            "group_size:1"), 0
-                writer.write(ids.tobytes())
+                for a in range(0, len(ids), record_tokens):
+                    writer.write(ids[a:a + record_tokens].tobytes())
+                    lengths.append(len(ids[a:a + record_tokens]))
                 shard_size += len(ids)
-                lengths.append(len(ids))
+                docs_len.append(len(ids))
                 max_token = max(max_token, int(ids.max()))
-        bar.set_postfix(docs=len(lengths), tokens=int(sum(lengths)))
+        bar.set_postfix(docs=len(docs_len), tokens=int(sum(docs_len)))
     if writer is not None:
         writer.close()
     if not lengths:
         raise ConfigError(f"the sources {srcs} hold no documents")
     np.save(root / "lengths.npy", np.asarray(lengths, np.int64))
+    np.save(root / "offsets.npy", np.concatenate([[0], np.cumsum(docs_len)]).astype(np.int64))
     manifest = {
         "format": FORMAT, "sources": [str(s) for s in srcs], "text_field": text_field,
-        "documents": len(lengths), "tokens": int(sum(lengths)), "max_token": max_token,
+        "documents": len(docs_len), "records": len(lengths), "tokens": int(sum(lengths)),
+        "max_token": max_token,
         "dtype": np.dtype(encode.dtype).name, "eos_id": encode.eos,
         "tokenizer": "byte" if tok is None else "bpe",
         "tokenizer_hash": sources.tokenizer_hash(tok),

@@ -61,28 +61,38 @@ class ArrayStream:
 
 
 class RecordStream:
-    """A prepared set: one ArrayRecord record per document (its token ids, ``dtype``), read
-    through grain's ``ArrayRecordDataSource`` only where a window needs it."""
+    """A prepared set: ArrayRecord records of token ids (``dtype``; ``lengths`` tokens each, a
+    document spanning one or more), read through grain's ``ArrayRecordDataSource`` only where a
+    window needs them; ``offsets``: where each document starts."""
 
-    def __init__(self, shards: list[str], lengths: np.ndarray, dtype, max_token: int, *,
-                 packing: bool = True):
+    def __init__(self, shards: list[str], lengths: np.ndarray, offsets: np.ndarray, dtype,
+                 max_token: int, *, packing: bool = True):
         from grain.sources import ArrayRecordDataSource
 
         self.source = ArrayRecordDataSource(shards)
         self.starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-        self.offsets = self.starts if packing else None
+        self.offsets = offsets if packing else None
         self.dtype, self._max = np.dtype(dtype), max_token
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def read(self, a: int, b: int) -> np.ndarray:
-        first = int(np.searchsorted(self.starts, a, side="right") - 1)
-        last = int(np.searchsorted(self.starts, b, side="left"))
-        docs = self.source.__getitems__(list(range(first, last)))
-        toks = np.concatenate([np.frombuffer(d, dtype=self.dtype) for d in docs])
-        base = int(self.starts[first])
-        return toks[a - base:b - base]
+        return self.read_many([(a, b)])[0]
+
+    def read_many(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
+        """The tokens of each ``[a, b)``, with one read of all the records they touch."""
+        cover = [(int(np.searchsorted(self.starts, a, side="right") - 1),
+                  int(np.searchsorted(self.starts, b, side="left"))) for a, b in spans]
+        ids = sorted({i for lo, hi in cover for i in range(lo, hi)})
+        got = {i: self.source[i] for i in ids}  # __getitems__ starts a thread pool per call
+        out = []
+        for (a, b), (lo, hi) in zip(spans, cover):
+            toks = np.concatenate([np.frombuffer(got[i], dtype=self.dtype)
+                                   for i in range(lo, hi)])
+            base = int(self.starts[lo])
+            out.append(toks[a - base:b - base])
+        return out
 
     def max_token(self) -> int:
         return self._max
@@ -106,8 +116,19 @@ class SliceStream:
     def read(self, a: int, b: int) -> np.ndarray:
         return self.stream.read(self.lo + a, self.lo + min(b, len(self)))
 
+    def read_many(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
+        return read_many(self.stream, [(self.lo + a, self.lo + min(b, len(self)))
+                                       for a, b in spans])
+
     def max_token(self) -> int:
         return self.stream.max_token()
+
+
+def read_many(stream, spans: list[tuple[int, int]]) -> list[np.ndarray]:
+    """``[stream.read(a, b) for a, b in spans]``, batched where the stream can batch."""
+    if hasattr(stream, "read_many"):
+        return stream.read_many(spans)
+    return [stream.read(a, b) for a, b in spans]
 
 
 def split(stream, eval_fraction: float) -> tuple[SliceStream, SliceStream]:

@@ -47,3 +47,14 @@ def test_gpu_script_dry_run_on_cpu_and_skip_without_a_gpu(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "skipped" in (tmp_path / "gpu" / "gpu_throughput.md").read_text()
+
+
+def test_data_loader_benchmark_smoke(tmp_path):
+    out = tmp_path / "data_loader.md"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/data_loader.py", "--shapes", "tiny", "--batches", "3",
+         "--steps", "1", "--out", str(out)],
+        cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = out.read_text()
+    assert table.count("| tiny |") == 3 and "prepared ArrayRecord" in table
