@@ -95,13 +95,17 @@ class Loader:
                               f"smaller batches")
         self._base = (0, np.zeros(len(sources_), np.int64))  # (step, rows given before it)
         self._cache = self._base
+        self._memo: dict[int, np.ndarray] = {}
 
     # -- which source and which of its rows each global row takes -------------------------------
     def _choices(self, step: int) -> np.ndarray:
         if len(self.sources) == 1:
             return np.zeros(self.batch_size, np.int64)
-        rng = np.random.default_rng((self.seed, 0x6D6978, step))
-        return rng.choice(len(self.sources), size=self.batch_size, p=self.weights)
+        if step not in self._memo:  # each step's draw is needed twice (its batch, the counts)
+            rng = np.random.default_rng((self.seed, 0x6D6978, step))
+            self._memo = {step: rng.choice(len(self.sources), size=self.batch_size,
+                                           p=self.weights), **dict(list(self._memo.items())[:3])}
+        return self._memo[step]
 
     def given(self, step: int) -> np.ndarray:
         """Rows each source has given to global batches before ``step``."""
@@ -169,6 +173,7 @@ class Loader:
     def restore(self, state: dict) -> str | None:
         """Continue from ``state``; returns a line describing a changed mixture, else ``None``."""
         self.step, self.seed = int(state["step"]), int(state["seed"])
+        self._memo = {}
         saved = state.get("given")
         if saved is None:  # one source, saved before mixtures: every row came from it
             saved = {self.sources[0].name: self.step * self.batch_size}
