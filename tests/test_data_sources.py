@@ -246,7 +246,7 @@ def _bad_case(tmp_path, case):
                                   "mismatched tokenizer", "bad mixture"])
 def test_bad_data_is_a_one_line_error(tmp_path, capsys, case):
     overrides, needle = _bad_case(tmp_path, case)
-    rc = cli.main(["train", "--devices", "1", f"train.out_dir={tmp_path / 'run'}", *overrides])
+    rc = cli.main(["train", f"train.out_dir={tmp_path / 'run'}", *overrides])
     err = capsys.readouterr().err
     lines = [x for x in err.strip().splitlines() if x]
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("jaxtp: error: "), err
