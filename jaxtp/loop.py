@@ -9,8 +9,11 @@ step checks its own loss before it saves, so the last good checkpoint is kept. E
 carries ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``step_time_s`` and ``mfu`` (model
 FLOPs of :func:`jaxtp.flops.model_flops` over the devices' peak) -- with checkpoint-save time left
 out of the window, and the first window flagged ``includes_compile`` -- plus ``host_time_s``, the
-main thread's own work per step in the window (data, dispatch, loop and logging; waits on the
-devices, saves and evals excluded), ``eval_loss`` at eval steps and an MoE model's router metrics.
+main thread's own work per step outside the compiled step (data hand-over, loop bookkeeping,
+logging; waits on the devices, saves and evals excluded) and ``host_parts_s``, those parts and
+``dispatch``, the step call itself (on XLA:CPU a step with collectives returns only once the
+previous step has finished, so there it holds that wait and is not counted as host work), then
+``eval_loss`` at eval steps and an MoE model's router metrics.
 Records go to ``metrics.jsonl`` and TensorBoard; SIGTERM / SIGINT
 (:class:`jaxtp.run_guard.StopSignals`) save the current step and stop.
 """
@@ -62,7 +65,7 @@ class _Window:
 
     start: float
     steps: int = 0
-    host: float = 0.0
+    host: dict = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))
     first: bool = False
 
 
@@ -99,7 +102,7 @@ class Loop:
     def _host(self, part: str, since: float) -> float:
         now = time.perf_counter()
         self.host_time[part] += now - since
-        self._win.host += now - since
+        self._win.host[part] += now - since
         return now
 
     def run(self, state):
@@ -192,7 +195,8 @@ class Loop:
                "lr": float(optim.schedule(t)(step - 1)),
                "tokens_per_s": t.batch_size * t.seq_len / dt, "step_time_s": dt,
                "mfu": self.flops_per_step / dt / self.peak,
-               "host_time_s": win.host / win.steps, **fields}
+               "host_time_s": sum(v for k, v in win.host.items() if k != "dispatch") / win.steps,
+               "host_parts_s": {k: v / win.steps for k, v in win.host.items()}, **fields}
         rec.update(moe_record(metrics))
         if win.first:  # the first window includes compilation
             rec["includes_compile"] = True

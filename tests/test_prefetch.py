@@ -69,7 +69,10 @@ def test_resume_with_prefetch_is_exact(tmp_path):
     an uninterrupted run's without prefetch, bit for bit."""
     common = ["train.log_every=1", "train.checkpoint_every=7", *COMMON]
     cut, full = tmp_path / "cut", tmp_path / "full"
-    run = lambda out, *o: train.run(config.load("tiny", [f"train.out_dir={out}", *common, *o]))
+
+    def run(out, *o):
+        return train.run(config.load("tiny", [f"train.out_dir={out}", *common, *o]))
+
     run(cut, "train.steps=20", "train.prefetch=2")
     cfg = config.load("tiny", [f"train.out_dir={cut}", *common])
     ckpt = Checkpointer(cut / "checkpoints", keep=3, cfg=cfg)
