@@ -115,8 +115,8 @@ class Loop:
         profile = events.ProfileWindow(t.profile_steps, self.out)
         bar = tqdm(range(self.start + 1, t.steps + 1), desc="train", disable=not self.is_main,
                    initial=self.start, total=t.steps)
-        feed = Prefetcher(self.loader, self.trainer.put_batch, depth=t.prefetch)
         self._data_state = self.loader.state()
+        feed = Prefetcher(self.loader, self.trainer.put_batch, depth=t.prefetch)
         self._win = _Window(time.perf_counter(), first=True)
         pending = None  # a log window's (step, metrics, steps, fields), read after the next step
         try:
@@ -138,6 +138,9 @@ class Loop:
                     pending = None
                 if self.stop.should_stop(step):  # SIGTERM / SIGINT: save this step, then return
                     self.stopped_at = step
+                    if step % t.log_every == 0:  # its record too: a resume starts after it
+                        self._show(bar, self._window_end(step, metrics, self._win.steps,
+                                                            item.log_fields))
                     break
                 if self._needs_state(step):  # save / eval read this step's state: now
                     self._show(bar, self._window_end(step, metrics, self._win.steps,
