@@ -24,6 +24,7 @@ in ``MAXTEXT_MODULES``); ``--jaxtp-only`` (or no MaxText and ``--no-install``) r
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -60,6 +61,8 @@ LAYOUTS = {
                               "parallel.sequence_parallel=true"), (2, 1, 1, 4),
                              {"data": 2, "model": 4}),
 }
+COLLECTIVE_TIMEOUT = ("--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+                      "--xla_cpu_collective_timeout_seconds=900")
 REMAT = {"default": ("none", "full"), "matched": ("selective", "minimal_with_context")}
 
 
@@ -133,7 +136,9 @@ def install_maxtext() -> None:
 
 def maxtext_env(dump: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-    flags = "--xla_force_host_platform_device_count=8"
+    # 8 simulated devices on a loaded 2-core host can take longer than XLA:CPU's default 40 s to
+    # meet at a collective, which aborts the process; both sides get the longer limit
+    flags = f"--xla_force_host_platform_device_count=8 {COLLECTIVE_TIMEOUT}"
     if dump:
         flags += (f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
                   " --xla_dump_hlo_module_re=.*train_step.*")
@@ -179,7 +184,9 @@ def run_jaxtp(a, layout: str, census: bool) -> dict:
         if census:
             cmd.append("--census")
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        env["XLA_FLAGS"] = COLLECTIVE_TIMEOUT
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800,
+                           check=False)
         if r.returncode:
             raise RuntimeError(f"jaxtp exited {r.returncode}:\n{r.stderr[-2000:]}")
         return json.loads((Path(tmp) / "w.json").read_text())
@@ -225,6 +232,22 @@ def census_rows(hlo_text: str, mesh: dict) -> dict:
             for r in rows}
 
 
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s([a-z][\w\-]*)\(", re.M)
+OPS = ("dot", "fusion", "copy", "transpose", "all-reduce", "all-gather", "reduce-scatter",
+       "collective-permute", "while", "custom-call")
+
+
+def op_counts(hlo_text: str) -> dict:
+    """Static op counts of the optimized module (a loop body's ops once; async pairs once), and
+    the instructions whose JAX name stack mentions adam (the optimizer update's share)."""
+    found = collections.Counter(_OP.findall(hlo_text))
+    out = {k: found[k] + found[k + "-start"] for k in OPS}
+    out["instructions"] = sum(found.values())
+    out["adam (op_name)"] = sum(1 for line in hlo_text.splitlines()
+                                if " = " in line and re.search(r'op_name="[^"]*adam', line))
+    return out
+
+
 def config_differences(a) -> list[str]:
     jr, mr = REMAT[a.remat]
     return [f"- remat: jaxtp `parallel.remat={jr}`; MaxText `remat_policy={mr}`",
@@ -251,7 +274,13 @@ def measure(a, layout: str, have_maxtext: bool) -> dict:
                 continue
             run = (run_jaxtp if side == "jaxtp" else run_maxtext)(a, layout, census=r == 0)
             if "hlo" in run:
-                census[side] = census_rows(run.pop("hlo"), LAYOUTS[layout][2])
+                text = run.pop("hlo")
+                census[side] = census_rows(text, LAYOUTS[layout][2])
+                census[side + "_ops"] = op_counts(text)
+                if a.hlo_dir:
+                    Path(a.hlo_dir).mkdir(parents=True, exist_ok=True)
+                    name = re.sub(r"[^\w]+", "_", f"{side} {layout} {a.remat}")
+                    (Path(a.hlo_dir) / f"{name}.hlo.txt").write_text(text)
                 census[side + "_params"] = run["params"]
             got[side] = run
             print(f"  round {r + 1} {side}: {steady(run, a.warmup, tokens):.0f} tokens/s "
@@ -310,6 +339,13 @@ def report(a, results: list[dict], blocked: str | None) -> str:
                             f"{sum(v[1] for v in c[side].values()) / 2**20:.1f}"
                             if side in c else "-")
         lines += [f"| **total** | {tot('jaxtp')} | {tot('maxtext')} |", ""]
+        if "jaxtp_ops" in c:
+            lines += ["Op counts of the compiled step (static: a loop body's ops counted once):",
+                      "", "| op | jaxtp | MaxText |", "|---|---:|---:|"]
+            for k in c["jaxtp_ops"]:
+                lines.append(f"| {k} | {c['jaxtp_ops'][k]} | "
+                             f"{c.get('maxtext_ops', {}).get(k, '-')} |")
+            lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -324,6 +360,7 @@ def main() -> None:
     p.add_argument("--no-install", action="store_true", help="run MaxText only if installed")
     p.add_argument("--out", default=str(common.RESULTS))
     p.add_argument("--name", default="vs_maxtext", help="results/<name>.{md,json}")
+    p.add_argument("--hlo-dir", default=None, help="write both compiled steps' HLO text here")
     for flag, default in [("--d-model", 512), ("--layers", 4), ("--heads", 8), ("--d-ff", 1408),
                           ("--vocab", 256), ("--seq", 256), ("--batch", 16)]:
         p.add_argument(flag, type=int, default=default)
