@@ -207,11 +207,11 @@ class Loop:
             rec["eval_loss"] = self._eval(state)
         t0 = time.perf_counter()
         self._write(rec)
-        self._host("logging", t0)
         rest = win.steps - steps  # steps dispatched after this window's last one
         # a step in flight has run on the devices since `end`; otherwise the next window starts
-        # now, with the save and eval left out
+        # now, with the save and eval left out. The logging is that next window's host work.
         self._win = _Window(end if rest else time.perf_counter(), steps=rest)
+        self._host("logging", t0)
         return rec
 
     def _eval(self, state) -> float:
