@@ -239,12 +239,14 @@ OPS = ("dot", "fusion", "copy", "transpose", "all-reduce", "all-gather", "reduce
 
 def op_counts(hlo_text: str) -> dict:
     """Static op counts of the optimized module (a loop body's ops once; async pairs once), and
-    the instructions whose JAX name stack mentions adam (the optimizer update's share)."""
+    the instructions from outside the forward and backward pass (JAX name stack without
+    ``jvp(`` / ``transpose(``: the gradient norm, clipping and the AdamW update; optax's own
+    names do not survive into the HLO)."""
     found = collections.Counter(_OP.findall(hlo_text))
     out = {k: found[k] + found[k + "-start"] for k in OPS}
     out["instructions"] = sum(found.values())
-    out["adam (op_name)"] = sum(1 for line in hlo_text.splitlines()
-                                if " = " in line and re.search(r'op_name="[^"]*adam', line))
+    names = re.findall(r' = .*op_name="jit\([\w]+\)/([^"]*)"', hlo_text)
+    out["update (not jvp/transpose)"] = sum(1 for n in names if "jvp(" not in n)
     return out
 
 
