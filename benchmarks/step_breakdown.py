@@ -9,9 +9,12 @@ the process): 8 simulated devices share the host's cores, so CPU time is the wor
 It also counts the ops of the compiled full step (dots, fusions, copies, transposes, collectives,
 and whether the donated state is aliased to the output). A second table measures the matmul
 ceiling of the simulation: the same FLOPs as one big single-device matmul, split into the
-per-device matmuls a layout runs (8 devices sharing the host's cores).
+per-device matmuls a layout runs (8 devices sharing the host's cores). A third runs the real
+training loop and reports the host time per step outside the compiled step (data, dispatch, loop,
+logging), with batches read inline and prefetched (``--loop-only``: just that, in a few minutes).
 
     python benchmarks/step_breakdown.py [--shape gpt2-small-ish] [--repeats 3] [--hlo-dir DIR]
+    python benchmarks/step_breakdown.py --loop-only [--loop-steps 12]
 """
 
 from __future__ import annotations
@@ -222,6 +225,56 @@ def run_breakdown(args) -> list[dict]:
     return rows + [{"name": n, "error": e} for n, e in errors]
 
 
+def loop_host_time(shape: str, variants: list[str], steps: int, warmup: int) -> list[dict]:
+    """The real training loop (``jaxtp.train.run``, a log window every step, no checkpoints) with
+    batches read inline (``train.prefetch=0``, the data path before the prefetching loop) and one
+    step ahead (``prefetch=1``): the main thread's host seconds per step outside the compiled
+    step -- data (read + place, or the wait for the prefetched batch), dispatch, loop bookkeeping,
+    logging -- from each record's ``host_parts_s``, over the median step time."""
+    import tempfile
+
+    from jaxtp import train
+
+    preset, shape_overrides, _ = common.SHAPES[shape]
+    rows = []
+    for name in variants:
+        for prefetch in (0, 1):
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = config_lib.load(preset, [
+                    *shape_overrides, *VARIANTS[name], f"train.steps={steps}",
+                    "train.log_every=1", "train.checkpoint_every=0", "train.eval_every=100000",
+                    "train.eval_batches=1", "train.tensorboard=false",
+                    f"train.prefetch={prefetch}", f"train.out_dir={tmp}"])
+                records = train.run(cfg)[warmup:-1]  # the last one waits for its final eval
+            step = statistics.median(r["step_time_s"] for r in records)
+            parts = {k: statistics.median(r["host_parts_s"][k] for r in records)
+                     for k in records[0]["host_parts_s"]}
+            rows.append({"name": name, "prefetch": prefetch, "step": step, "parts": parts,
+                         "host": statistics.median(r["host_time_s"] for r in records)})
+            print(f"loop {name} prefetch={prefetch}: step {1e3 * step:.0f} ms, host "
+                  f"{1e3 * rows[-1]['host']:.1f} ms", flush=True)
+    return rows
+
+
+def host_time_lines(rows: list[dict], steps: int, warmup: int) -> list[str]:
+    lines = ["", "## Host time per step outside the compiled step (the training loop)", "",
+             f"`jaxtp.train.run`, {steps} steps with a log record every step, the first {warmup} "
+             "and the last left out; medians; ms on the main thread per step, and their sum as a "
+             "share of the step. prefetch=0 reads and places each batch inline, as the loop did "
+             "before batches were prefetched; prefetch=1 (the default) makes the next batch on a "
+             "background thread, so 'data' is only the hand-over. Waits on the devices "
+             "(reading a window's loss) are not host work and are left out.", "",
+             "| layout | prefetch | step (ms) | data | dispatch | loop | logging | host total | "
+             "host / step |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        p = r["parts"]
+        lines.append(f"| {r['name']} | {r['prefetch']} | {1e3 * r['step']:.0f} | "
+                     f"{1e3 * p['data']:.2f} | {1e3 * p['dispatch']:.2f} | {1e3 * p['loop']:.2f} | "
+                     f"{1e3 * p['logging']:.2f} | {1e3 * r['host']:.2f} | "
+                     f"{100 * r['host'] / r['step']:.2f}% |")
+    return lines
+
+
 def matmul_ceiling(repeats: int) -> list[dict]:
     """GFLOP/s of one [M,K]x[K,N] matmul on one device vs the same FLOPs as 8 per-device matmuls."""
     devs = np.array(jax.devices())
@@ -261,7 +314,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--hlo-dir", default=None, help="write each compiled full step's HLO here")
     p.add_argument("--out", default=str(common.RESULTS))
+    p.add_argument("--loop-steps", type=int, default=12,
+                   help="steps of the training-loop host-time runs (0 = skip them)")
+    p.add_argument("--loop-only", action="store_true", help="only the loop host-time section")
     args = p.parse_args()
+    loop_rows = (loop_host_time(args.shape, args.variants, args.loop_steps, warmup=2)
+                 if args.loop_steps else [])
+    if args.loop_only:
+        text = "\n".join(["# Training-loop host time", "",
+                          f"- shape: {common.SHAPES[args.shape][2]}",
+                          f"- machine: {common.machine()}; code: {common.git_state()}; "
+                          f"{time.strftime('%Y-%m-%d %H:%M %Z')}",
+                          *host_time_lines(loop_rows, args.loop_steps, 2)]) + "\n"
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "loop_host_time.md").write_text(text)
+        print(text)
+        return
     rows = run_breakdown(args)
     mm = matmul_ceiling(5)
     lines = ["# Step breakdown on the simulated 8-device CPU mesh", "",
@@ -321,6 +389,8 @@ def main() -> None:
     for r in mm:
         lines.append(f"| {r['case']} | {r['single']} | {r['per_device']} | "
                      f"{r['single_gflops']:.1f} | {r['split_gflops']:.1f} |")
+    if loop_rows:
+        lines += host_time_lines(loop_rows, args.loop_steps, 2)
     text = "\n".join(lines) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

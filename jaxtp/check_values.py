@@ -30,7 +30,7 @@ _TRAIN_INT_RANGES = {
     "batch_size": (1, None), "seq_len": (1, None), "seed": (0, 2**32 - 1), "steps": (1, None),
     "microbatches": (1, None), "warmup_steps": (0, None), "checkpoint_every": (0, None),
     "keep_checkpoints": (1, None), "log_every": (1, None), "eval_every": (1, None),
-    "eval_batches": (1, None),
+    "eval_batches": (1, None), "prefetch": (0, None),
 }
 
 

@@ -148,6 +148,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50
     eval_batches: int = 4
+    prefetch: int = 1  # batches read and placed ahead on a background thread (0 = inline)
     out_dir: str = "runs/default"
     # Operations (jaxtp/run_guard.py, jaxtp/events.py): a step that makes no progress for this
     # long stops the run with an error (a stuck peer must not hang a job forever); TensorBoard

@@ -1,11 +1,21 @@
 """The training loop: steps, the log / checkpoint / eval windows, and the run's summary.
 
-One host sync per log or checkpoint window (``float(loss)``), never per step. Each logged record
+The host never waits on the step it just dispatched, except to save or evaluate that step's
+state (which the next step's dispatch donates). Batches are read and placed on the devices ahead
+of time (:mod:`jaxtp.prefetch`, ``train.prefetch`` steps), and a log window's metrics are read
+(``float(loss)``, the one host sync per window) only after the next step has been dispatched, so
+a step is always in flight; NaN / Inf is therefore seen at most one step late, and a checkpoint
+step checks its own loss before it saves, so the last good checkpoint is kept. Each logged record
 carries ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``step_time_s`` and ``mfu`` (model
 FLOPs of :func:`jaxtp.flops.model_flops` over the devices' peak) -- with checkpoint-save time left
-out of the window, and the first window flagged ``includes_compile`` -- plus ``eval_loss`` at
-eval steps and an MoE model's router metrics. Records go to ``metrics.jsonl`` and TensorBoard;
-SIGTERM / SIGINT (:class:`jaxtp.run_guard.StopSignals`) save the current step and stop.
+out of the window, and the first window flagged ``includes_compile`` -- plus ``host_time_s``, the
+main thread's own work per step outside the compiled step (data hand-over, loop bookkeeping,
+logging; waits on the devices, saves and evals excluded) and ``host_parts_s``, those parts and
+``dispatch``, the step call itself (on XLA:CPU a step with collectives returns only once the
+previous step has finished, so there it holds that wait and is not counted as host work), then
+``eval_loss`` at eval steps and an MoE model's router metrics.
+Records go to ``metrics.jsonl`` and TensorBoard; SIGTERM / SIGINT
+(:class:`jaxtp.run_guard.StopSignals`) save the current step and stop.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxtp import events, optim
+from jaxtp.prefetch import Prefetcher
 
 MOE_METRICS = ("lm_loss", "aux_loss", "load_balancing_loss", "z_loss", "dropped_fraction",
                "expert_load")
@@ -44,10 +55,25 @@ def moe_record(metrics: dict) -> dict:
     return rec
 
 
+HOST_PARTS = ("data", "dispatch", "loop", "logging")
+
+
+@dataclass
+class _Window:
+    """The steps since the last logged record: when the first began, how many, the main
+    thread's host seconds in them, and whether compilation is among them."""
+
+    start: float
+    steps: int = 0
+    host: dict = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))
+    first: bool = False
+
+
 @dataclass
 class Loop:
     """The loop of one run segment, from ``start`` to ``train.steps``. ``trainer`` is a
-    :class:`jaxtp.train.Trainer`; ``ckpt`` a :class:`jaxtp.checkpoint.Checkpointer`."""
+    :class:`jaxtp.train.Trainer`; ``ckpt`` a :class:`jaxtp.checkpoint.Checkpointer`;
+    ``loader`` anything with ``next`` and ``state()`` (and optionally ``log_fields()``)."""
 
     cfg: object
     trainer: object
@@ -63,11 +89,21 @@ class Loop:
     peak: float
     is_main: bool
     stopped_at: int | None = None
-    _window: list = field(default_factory=lambda: [0.0, 0, True])  # start, steps, first
+    # the main thread's seconds per part over the whole segment (HOST_PARTS), and the steps run
+    host_time: dict = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))
+    steps_run: int = 0
+    _win: _Window = field(default_factory=lambda: _Window(0.0))
+    _data_state: dict | None = None  # the loader state after the last consumed batch
 
     @property
     def metrics_path(self) -> Path:
         return self.out / "metrics.jsonl"
+
+    def _host(self, part: str, since: float) -> float:
+        now = time.perf_counter()
+        self.host_time[part] += now - since
+        self._win.host[part] += now - since
+        return now
 
     def run(self, state):
         """Steps ``start + 1 .. train.steps``; returns the final state."""
@@ -79,24 +115,44 @@ class Loop:
         profile = events.ProfileWindow(t.profile_steps, self.out)
         bar = tqdm(range(self.start + 1, t.steps + 1), desc="train", disable=not self.is_main,
                    initial=self.start, total=t.steps)
-        self._window = [time.perf_counter(), 0, True]
+        self._data_state = self.loader.state()
+        feed = Prefetcher(self.loader, self.trainer.put_batch, depth=t.prefetch)
+        self._win = _Window(time.perf_counter(), first=True)
+        pending = None  # a log window's (step, metrics, steps, fields), read after the next step
         try:
             for step in bar:
+                t0 = time.perf_counter()
                 self.watchdog.beat(step)
                 profile.before_step(step)
                 self.ckpt.raise_save_errors()  # a failed background save stops the run here
-                state, metrics = step_fn(state, self.trainer.put_batch(next(self.loader)))
-                self._window[1] += 1
+                t0 = self._host("loop", t0)
+                item = feed.next()
+                t0 = self._host("data", t0)
+                state, metrics = step_fn(state, item.batch)
+                self._host("dispatch", t0)
+                self._data_state = item.data_state
+                self._win.steps += 1
+                self.steps_run += 1
+                if pending is not None:  # the previous step's window, now that this one runs
+                    self._show(bar, self._window_end(*pending))
+                    pending = None
                 if self.stop.should_stop(step):  # SIGTERM / SIGINT: save this step, then return
                     self.stopped_at = step
+                    if step % t.log_every == 0:  # its record too: a resume starts after it
+                        self._show(bar, self._window_end(step, metrics, self._win.steps,
+                                                            item.log_fields))
                     break
-                rec = self._window_end(step, state, metrics)
-                if rec is not None:
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                    mfu=f"{100 * rec['mfu']:.1f}%")
+                if self._needs_state(step):  # save / eval read this step's state: now
+                    self._show(bar, self._window_end(step, metrics, self._win.steps,
+                                                        item.log_fields, state))
+                elif step % t.log_every == 0 or step == t.steps:
+                    pending = (step, metrics, self._win.steps, item.log_fields)
+            if pending is not None:
+                self._show(bar, self._window_end(*pending))
             bar.close()
             self._final_save(state)
         finally:
+            feed.close()
             self.watchdog.beat(t.steps)  # the last save may take a while; it is progress
             profile.stop()
             self.tensorboard.close()
@@ -107,26 +163,70 @@ class Loop:
                 pass
         return state
 
-    def _window_end(self, step: int, state, metrics) -> dict | None:
-        """At a log or checkpoint step: check the loss, save, and write the record."""
+    @staticmethod
+    def _show(bar, rec: dict | None) -> None:
+        if rec is not None:
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                            mfu=f"{100 * rec['mfu']:.1f}%")
+
+    def _needs_state(self, step: int) -> bool:
         t = self.cfg.train
         log_now = step % t.log_every == 0 or step == t.steps
         save_now = t.checkpoint_every and step % t.checkpoint_every == 0
-        if not (log_now or save_now):
-            return None
+        return bool(save_now or (log_now and (step % t.eval_every == 0 or step == t.steps)))
+
+    def _window_end(self, step: int, metrics, steps: int, fields: dict,
+                    state=None) -> dict | None:
+        """At a log or checkpoint step, the window's first ``steps`` steps ending there: check
+        the loss, save and evaluate (``state`` given: this step's), and write the record."""
+        t = self.cfg.train
+        log_now = step % t.log_every == 0 or step == t.steps
+        save_now = state is not None and t.checkpoint_every and step % t.checkpoint_every == 0
         loss = float(metrics["loss"])  # the one host sync per log / checkpoint interval
         grad_norm = float(metrics["grad_norm"])
+        end = time.perf_counter()  # the window's steps are done (a later one may be in flight)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self._diverged(step, loss, grad_norm)
         if save_now:  # the save's time is left out of the window's step time
-            save_start = time.perf_counter()
-            self.ckpt.save(step, state, data_state=self.loader.state())
-            self._window[0] += time.perf_counter() - save_start
+            self.ckpt.save(step, state, data_state=self._data_state)
         if not log_now:
+            self._win.start += time.perf_counter() - end
             return None
-        rec = self._record(step, loss, grad_norm, metrics, state)
-        self._window = [time.perf_counter(), 0, False]
+        win = self._win
+        dt = (end - win.start) / steps
+        rec = {"step": step, "loss": loss, "grad_norm": grad_norm,
+               "lr": float(optim.schedule(t)(step - 1)),
+               "tokens_per_s": t.batch_size * t.seq_len / dt, "step_time_s": dt,
+               "mfu": self.flops_per_step / dt / self.peak,
+               "host_time_s": sum(v for k, v in win.host.items() if k != "dispatch") / win.steps,
+               "host_parts_s": {k: v / win.steps for k, v in win.host.items()}, **fields}
+        rec.update(moe_record(metrics))
+        if win.first:  # the first window includes compilation
+            rec["includes_compile"] = True
+        if state is not None and (step % t.eval_every == 0 or step == t.steps):
+            rec["eval_loss"] = self._eval(state)
+        t0 = time.perf_counter()
+        self._write(rec)
+        rest = win.steps - steps  # steps dispatched after this window's last one
+        # a step in flight has run on the devices since `end`; otherwise the next window starts
+        # now, with the save and eval left out. The logging is that next window's host work.
+        self._win = _Window(end if rest else time.perf_counter(), steps=rest)
+        self._host("logging", t0)
         return rec
+
+    def _eval(self, state) -> float:
+        t = self.cfg.train
+        self.eval_loader.step = 0  # the same held-out batches every time
+        return float(np.mean([
+            float(self.eval_fn(state.params, self.trainer.put_batch(next(self.eval_loader))))
+            for _ in range(t.eval_batches)]))
+
+    def _write(self, rec: dict) -> None:
+        self.records.append(rec)
+        if self.is_main:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            self.tensorboard.write(rec)
 
     def _diverged(self, step: int, loss: float, grad_norm: float):
         self.ckpt.wait()
@@ -140,34 +240,10 @@ class Loop:
             f"loss is {loss} (gradient norm {grad_norm}) at step {step}; stopping. {where}. "
             f"Lower train.lr or raise train.warmup_steps, then resume")
 
-    def _record(self, step: int, loss: float, grad_norm: float, metrics, state) -> dict:
-        t = self.cfg.train
-        start, steps, first = self._window
-        dt = (time.perf_counter() - start) / steps
-        rec = {"step": step, "loss": loss, "grad_norm": grad_norm,
-               "lr": float(optim.schedule(t)(step - 1)),
-               "tokens_per_s": t.batch_size * t.seq_len / dt, "step_time_s": dt,
-               "mfu": self.flops_per_step / dt / self.peak}
-        rec.update(moe_record(metrics))
-        rec.update(self.loader.log_fields())  # a mixture's realised proportions
-        if first:  # the first window includes compilation
-            rec["includes_compile"] = True
-        if step % t.eval_every == 0 or step == t.steps:
-            self.eval_loader.step = 0  # the same held-out batches every time
-            rec["eval_loss"] = float(np.mean([
-                float(self.eval_fn(state.params, self.trainer.put_batch(next(self.eval_loader))))
-                for _ in range(t.eval_batches)]))
-        self.records.append(rec)
-        if self.is_main:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            self.tensorboard.write(rec)
-        return rec
-
     def _final_save(self, state) -> None:
         t, ckpt = self.cfg.train, self.ckpt
         if self.stopped_at is not None:
-            ckpt.save(self.stopped_at, state, data_state=self.loader.state(), force=True)
+            ckpt.save(self.stopped_at, state, data_state=self._data_state, force=True)
             ckpt.wait()
             ckpt.raise_save_errors()
             if self.is_main:
@@ -175,7 +251,7 @@ class Loop:
                       f"saved checkpoint {ckpt.directory / str(self.stopped_at)}; run the same "
                       f"command to resume", flush=True)
         elif self.start < t.steps and ckpt.latest_step() != t.steps:
-            ckpt.save(t.steps, state, data_state=self.loader.state(), force=True)
+            ckpt.save(t.steps, state, data_state=self._data_state, force=True)
         ckpt.wait()
         ckpt.raise_save_errors()
 
