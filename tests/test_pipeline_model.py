@@ -102,6 +102,30 @@ def test_census_only_activations_cross_pipeline(mode, sp):
                 ("all-gather", "reduce-scatter", "all-to-all")]
 
 
+@pytest.mark.parametrize("remat, ratio", [("none", 1.0), ("full", 5 / 4)])
+def test_matmul_flops_equal_the_unpipelined_step(remat, ratio):
+    """Compiled matmul FLOPs per step over all ranks (each pipeline rank's own branch
+    frequencies), against the same batch on data=8: under remat=none the backward reads the
+    forward's residuals, so no forward matmul runs twice (the dots per layer per micro-batch are
+    the unpipelined step's); under remat=full the backward recomputes its stage (5F against the
+    unpipelined full recompute's 4F). tiny, 4 layers, p=2 x data=4, 1F1B, m=4."""
+    from jaxtp import hlo
+
+    def flops(cfg):
+        eng = engine.build(cfg)
+        text = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile().as_text()
+        if not eng.pipelined:
+            return hlo.dot_flops(text)
+        return sum(hlo.dot_flops(text, pipelined_step.branch_weights(eng.layout, r))
+                   for r in range(2)) / 2
+
+    common = ["model.n_layers=4", "train.seq_len=32", "train.batch_size=32",
+              f"parallel.remat={remat}"]
+    piped = flops(config.load("tiny", [*common, *_pipe("1f1b", 2, 4), "parallel.data=4"]))
+    flat = flops(config.load("tiny", [*common, "parallel.data=8"]))
+    assert piped / flat == pytest.approx(ratio, rel=0.02)
+
+
 def test_trained_step_equals_unpipelined_and_checkpoints_move_between_layouts(tmp_path):
     """One AdamW step with an interleaved pipeline (p=2, v=2: the engine stores layers
     rank-major) equals the step without a pipeline; its checkpoint, written in natural layer
