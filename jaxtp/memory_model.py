@@ -27,7 +27,7 @@ import functools
 
 from jaxtp.config import ConfigError
 from jaxtp.cost_model import Layout, Shape
-from jaxtp.pipeline_program import Program, compile_schedule
+from jaxtp.pipeline_program import Program, compile_schedule, stores_residuals
 from jaxtp.schedules import ScheduleError
 from jaxtp.schedules import build as build_schedule
 
@@ -107,15 +107,15 @@ def in_flight(layout: Layout, activations: str = "jaxtp") -> float:
 
     jaxtp's pipeline runtime (unless ``remat=full``, when it keeps only stage inputs and
     recomputes) keeps each forward's VJP residuals in ``res_slots`` slots of its compiled program
-    (:mod:`jaxtp.pipeline_program`; 1F1B ``min(2p - 2, m)``, GPipe ``m``), plus three
+    (:mod:`jaxtp.pipeline_program`; 1F1B ``min(2p - 2, m)``; GPipe recomputes), plus three
     residual-sized buffers: the scratch slot, the tick's branch output, and the backward's copy
     of its slot. Interleaved pipelines are priced by Megatron-LM's warm-up, as before."""
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
     if p == 1:
         return 1.0  # gradient accumulation: each micro-batch's backward frees it
-    if activations == "jaxtp" and layout.remat != "full" and v == 1:
-        slots = m if layout.pipeline_schedule == "gpipe" else min(2 * p - 2, m)
-        return slots + 3.0  # Program.res_slots in closed form (tests/test_pipeline.py)
+    if (activations == "jaxtp" and v == 1
+            and stores_residuals(layout.pipeline_schedule, layout.remat)):
+        return min(2 * p - 2, m) + 3.0  # 1F1B's Program.res_slots (tests/test_pipeline.py)
     if layout.pipeline_schedule == "gpipe":
         return float(m)
     if layout.pipeline_schedule == "1f1b":

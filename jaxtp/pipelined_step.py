@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxtp import pipeline, schedules
+from jaxtp import pipeline, pipeline_program, schedules
 from jaxtp.axes import MODEL, PIPELINE
 from jaxtp.grad_sync import mark_data_parallel, sync_grads
 from jaxtp.layers.attention import positional
@@ -54,10 +54,11 @@ from jaxtp.token_mean import masked_sum, token_count
 
 
 def stores_residuals(layout: Layout) -> bool:
-    """Whether a stage's backward reads the VJP residuals its forward kept (``parallel.remat``
-    ``none`` / ``selective`` / ``dots_saveable``: what the policy saves) or recomputes the stage
-    from its input (``full``: only stage inputs are held, as full recompute asks)."""
-    return layout.cfg.parallel.remat != "full"
+    """Whether a stage's backward reads the VJP residuals its forward kept (what
+    ``parallel.remat`` saves) or recomputes the stage from its input
+    (:func:`jaxtp.pipeline_program.stores_residuals`: under ``remat=full`` and for GPipe)."""
+    par = layout.cfg.parallel
+    return pipeline_program.stores_residuals(par.pipeline_schedule, par.remat)
 
 
 def program(layout: Layout) -> pipeline.Program:

@@ -23,6 +23,7 @@ from jaxtp.cost_model import AXES, REMATS, SCHEDULES, Estimate, Layout, Shape
 from jaxtp.hardware import Hardware
 from jaxtp.memory_model import (batch_expert, effective_remat, memory, micro_batch_size,
                                 program, stage_params, zero_shards)
+from jaxtp.pipeline_program import stores_residuals
 from jaxtp.time_model import gradient_sync, link, step_time
 from jaxtp.validate import validate
 
@@ -249,7 +250,7 @@ def predicted_grad_step(s: Shape, layout: Layout, *, activations: str = "jaxtp")
     p = layout.pipeline
     if p > 1:  # the program's sends (each TP rank's 1/t slice), the table gradients once
         transfers = program(layout.pipeline_schedule, p, m, layout.virtual_stages,
-                            effective_remat(layout) != "full").transfers
+                            stores_residuals(layout.pipeline_schedule, layout.remat)).transfers
         sliced = layout.sequence_parallel or tokens // micro_batch_size(s, layout) % t == 0
         census["collective-permute", ("pipeline",)] = (
             transfers * tokens * s.d_model * e / (t if sliced else 1))
