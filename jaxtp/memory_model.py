@@ -23,8 +23,13 @@ Memory per device (bytes; the worst pipeline stage, which holds L/p layers and o
 
 from __future__ import annotations
 
+import functools
+
 from jaxtp.config import ConfigError
 from jaxtp.cost_model import Layout, Shape
+from jaxtp.pipeline_program import Program, compile_schedule, stores_residuals
+from jaxtp.schedules import ScheduleError
+from jaxtp.schedules import build as build_schedule
 
 
 def effective_remat(layout: Layout) -> str:
@@ -86,11 +91,31 @@ def loss_region_bytes(s: Shape, *, b: int, s_loc: int, t: int, ring: bool, remat
     return (5 + 2 * e) * n + 14 * b * s_loc * v / t + mask
 
 
-def in_flight(layout: Layout) -> float:
-    """Micro-batches of activations a stage holds at its peak, in units of its full L/p layers."""
+@functools.lru_cache(maxsize=4096)
+def program(name: str, p: int, m: int, v: int, residuals: bool) -> Program | None:
+    """The pipeline program jaxtp runs for a schedule (cached: the planner asks for many);
+    ``None`` for one its runtime does not run (e.g. 1F1B with fewer micro-batches than stages,
+    which the planner may still price for Megatron-LM's runtime)."""
+    try:
+        return compile_schedule(build_schedule(name, p, m, v), residuals=residuals)
+    except ScheduleError:
+        return None
+
+
+def in_flight(layout: Layout, activations: str = "jaxtp") -> float:
+    """Micro-batches of activations a stage holds at its peak, in units of its full L/p layers.
+
+    jaxtp's pipeline runtime (unless ``remat=full``, when it keeps only stage inputs and
+    recomputes) keeps each forward's VJP residuals in ``res_slots`` slots of its compiled program
+    (:mod:`jaxtp.pipeline_program`; 1F1B ``min(2p - 2, m)``; GPipe recomputes), plus three
+    residual-sized buffers: the scratch slot, the tick's branch output, and the backward's copy
+    of its slot. Interleaved pipelines are priced by Megatron-LM's warm-up, as before."""
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
     if p == 1:
         return 1.0  # gradient accumulation: each micro-batch's backward frees it
+    if (activations == "jaxtp" and v == 1
+            and stores_residuals(layout.pipeline_schedule, layout.remat)):
+        return min(2 * p - 2, m) + 3.0  # 1F1B's Program.res_slots (tests/test_pipeline.py)
     if layout.pipeline_schedule == "gpipe":
         return float(m)
     if layout.pipeline_schedule == "1f1b":
@@ -128,7 +153,7 @@ def memory(s: Shape, layout: Layout, *, activations: str = "jaxtp") -> dict[str,
     layers = s.layers / layout.pipeline
     # the worst stage is taken to hold both the most micro-batches in flight and the loss
     # region (conservative for p > 1: those are the first and the last stage)
-    acts = layers * in_flight(layout) * per_layer + loss_region_bytes(
+    acts = layers * in_flight(layout, activations) * per_layer + loss_region_bytes(
         s, b=b, s_loc=s_loc, t=t, ring=ring, remat=remat, activations=activations)
     if activations == "jaxtp" and s.compute_bytes != pb:
         acts += s.compute_bytes * table  # the head's compute-dtype copy

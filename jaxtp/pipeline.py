@@ -3,133 +3,41 @@
 Pipeline parallelism (GPipe, Huang et al. 2019; 1F1B / PipeDream-Flush, Narayanan et al. 2019;
 interleaved 1F1B, Narayanan et al. 2021, sec. 2.2) cuts the model into ``p * v`` stages, stage
 ``k`` on pipeline rank ``k % p`` as its chunk ``k // p``, and streams ``m`` micro-batches through
-them. :mod:`jaxtp.schedules` decides *when* each rank runs which forward (``F``) or backward
-(``B``) pass; this module turns that table into one SPMD program and runs it. The table becomes,
-per rank and per tick, a row of small integers (:class:`Program`): which branch to take (idle,
-or ``F`` / ``B`` of a first, middle or last stage — the first may embed raw inputs, the last adds
-the loss), which chunk and micro-batch, which activation-buffer slot to read, and into which
-slots to write what arrives from the neighbours at the end of the tick. A ``lax.scan`` over ticks reads this rank's row, runs the pass
-under ``lax.switch`` (idle ticks do no math) and then does exactly two ``ppermute``s over
-``pipeline``: the forward output to rank ``r + 1`` and the input cotangent to rank ``r - 1``
-(cyclic when interleaved, so the last rank's chunk ``c`` feeds rank 0's chunk ``c + 1``). Nothing
-else crosses ``pipeline`` but the scalar loss.
+them. :mod:`jaxtp.schedules` decides the order of each rank's forward (``F``) and backward (``B``)
+passes; :mod:`jaxtp.pipeline_program` packs it into ticks of at most one ``F`` and one ``B`` per
+rank and compiles it to per-rank integer rows; this module runs them as one SPMD program. Per
+segment of the program a ``lax.scan`` over ticks reads this rank's row, runs its branch under
+``lax.switch`` (idle ticks do no math) and then ``ppermute`` s over ``pipeline`` the forward output
+to rank ``r + 1`` and the input cotangent to rank ``r - 1`` (cyclic when interleaved, so the last
+rank's chunk ``c`` feeds rank 0's chunk ``c + 1``). Nothing else crosses ``pipeline`` but the
+scalar loss.
 
-Memory: a rank keeps each stage input it received until that micro-batch's backward, in a
-fixed-size buffer whose slots are assigned statically from the table (interval colouring of
-arrival-to-backward lifetimes), so GPipe needs ``m`` slots and 1F1B about ``p``, whatever ``m``
-— the point of 1F1B. The backward pass recomputes its stage's forward (``jax.vjp`` at backward
-time, "full recompute" per stage as in GPipe sec. 2.3): only stage inputs are stored, never the
-stage's internal activations. Stage 0 reads its inputs from ``microbatches`` and stores nothing.
-Optionally the pipeline owns the embedding (``embed_fn`` on stage 0) and the loss head
-(``head_params`` of ``loss_fn`` on the last stage), whose gradients are summed over ``pipeline``
-once per step, so a whole language model runs with only its blocks split into stages.
+Memory: a rank keeps what a later pass reads in fixed-size buffers whose slots the program assigns
+statically, so GPipe needs ``m`` slots and 1F1B about ``p``, whatever ``m`` — the point of 1F1B.
+By default a ``F`` keeps its stage's VJP residuals (:mod:`jaxtp.stage_residuals`: what the stage's
+remat policy saves) for its ``B``, which then runs the backward only; with ``residuals=False`` it
+keeps only the stage input and ``B`` recomputes the stage (GPipe sec. 2.3). Residual buffers enter
+the tick's ``lax.switch`` read-only and are written after it (a buffer passed through a branch is
+copied whole by XLA). Optionally the pipeline owns the embedding (``embed_fn`` on stage 0) and the
+loss head (``head_params`` of ``loss_fn`` on the last stage), whose gradients are summed over
+``pipeline`` once per step, so a whole language model runs with only its blocks split into stages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxtp import pipeline_program as col  # the columns of Program.rows
 from jaxtp.axes import PIPELINE
 from jaxtp.layer_order import ranks_to_stages, stages_to_ranks  # noqa: F401  (public here too)
-from jaxtp.schedules import Schedule, ScheduleError, check_pipeline
-
-# columns of Program.rows
-KIND, CHUNK, MICROBATCH, ACT_SLOT, GRAD_SLOT, RECV_ACT, RECV_GRAD = range(7)
-
-
-@dataclass(frozen=True)
-class Program:
-    """A schedule compiled to per-rank integer rows: ``rows[tick, rank, column]``.
-
-    Columns: ``KIND`` (``lax.switch`` branch: 0 idle, ``1 + i`` for ``passes[i]``), ``CHUNK``,
-    ``MICROBATCH``, ``ACT_SLOT`` (activation slot the pass reads its stage input from; -1: stage 0,
-    read ``microbatches``), ``GRAD_SLOT`` (slot of the output cotangent a ``B`` reads; -1: the
-    last stage, seeded by the loss), ``RECV_ACT`` /
-    ``RECV_GRAD`` (slot to store what arrives from rank ``r - 1`` / ``r + 1`` at the end of the
-    tick; -1: nothing arrives).
-    """
-
-    schedule: Schedule
-    rows: np.ndarray        # int32 [ticks, p, 7]
-    passes: tuple[tuple[str, bool, bool], ...]  # (kind, first stage?, last stage?) per branch
-    act_slots: int          # activation buffer size (stage inputs held per rank)
-    grad_slots: int         # cotangent buffer size
-
-    @property
-    def cyclic(self) -> bool:
-        return self.schedule.v > 1
-
-
-def _assign_slots(lifetimes: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
-    """Interval colouring: ``(written at end of tick a, last read at tick b, key)`` -> slot.
-    A slot read for the last time at tick ``b`` can take a value written at the end of ``b``."""
-    free_at: list[int] = []  # per slot, the tick of its occupant's last read
-    slot_of = {}
-    for a, b, key in sorted(lifetimes):
-        for s, end in enumerate(free_at):
-            if end <= a:
-                break
-        else:
-            s = len(free_at)
-            free_at.append(0)
-        free_at[s] = b
-        slot_of[key] = s
-    return slot_of, len(free_at)
-
-
-def compile_schedule(schedule: Schedule) -> Program:
-    """The per-rank program of ``schedule``: branch and buffer slots for every (tick, rank)."""
-    s = schedule
-    check_pipeline(s.name, s.p, s.m, s.v)
-    split = sorted({t.kind for t in s.table} - {"F", "B"})
-    if split:  # ZB-H1's weight-gradient passes: a table to simulate, not yet a runtime
-        raise ScheduleError(f"pipeline_schedule={s.name}: the runtime runs F and B passes only, "
-                            f"not {', '.join(split)} (a split backward); use gpipe, 1f1b or "
-                            f"interleaved")
-    p, n_stages = s.p, s.p * s.v
-    at = {(t.kind, t.stage, t.microbatch): t.tick for t in s.table}
-    acts = [[] for _ in range(p)]   # per rank: lifetimes of received stage inputs
-    grads = [[] for _ in range(p)]  # per rank: lifetimes of received output cotangents
-    for t in s.table:
-        if t.kind == "F" and t.stage + 1 < n_stages:
-            k = t.stage + 1
-            acts[k % p].append((t.tick, at[("B", k, t.microbatch)], (k, t.microbatch)))
-        if t.kind == "B" and t.stage > 0:
-            k = t.stage - 1
-            grads[k % p].append((t.tick, at[("B", k, t.microbatch)], (k, t.microbatch)))
-    act_slot, grad_slot, n_act, n_grad = {}, {}, 1, 1
-    for r in range(p):
-        slots, n = _assign_slots(acts[r])
-        act_slot.update(slots)
-        n_act = max(n_act, n)
-        slots, n = _assign_slots(grads[r])
-        grad_slot.update(slots)
-        n_grad = max(n_grad, n)
-    rows = np.full((s.ticks, p, 7), -1, np.int32)
-    rows[:, :, KIND] = rows[:, :, CHUNK] = rows[:, :, MICROBATCH] = 0
-    passes = sorted({(t.kind, t.stage == 0, t.stage == n_stages - 1) for t in s.table})
-    for t in s.table:
-        first, last = t.stage == 0, t.stage == n_stages - 1
-        key = (t.stage, t.microbatch)
-        row = rows[t.tick, t.device]
-        row[KIND] = 1 + passes.index((t.kind, first, last))
-        row[CHUNK], row[MICROBATCH] = t.chunk, t.microbatch
-        if not first:
-            row[ACT_SLOT] = act_slot[key]
-        if t.kind == "B" and not last:
-            row[GRAD_SLOT] = grad_slot[key]
-        if t.kind == "F" and not last:  # arrives at the next rank at the end of this tick
-            rows[t.tick, (t.stage + 1) % p, RECV_ACT] = act_slot[(t.stage + 1, t.microbatch)]
-        if t.kind == "B" and not first:
-            rows[t.tick, (t.stage - 1) % p, RECV_GRAD] = grad_slot[(t.stage - 1, t.microbatch)]
-    return Program(schedule=s, rows=rows, passes=tuple(passes), act_slots=n_act,
-                   grad_slots=n_grad)
+from jaxtp.pipeline_program import Branch, Program, Segment, Step, compile_schedule  # noqa: F401
+from jaxtp.schedules import Schedule, ScheduleError, check_pipeline  # noqa: F401
+from jaxtp.stage_residuals import join_vjp, split_vjp
+from jaxtp.stage_transfer import sender
 
 
 def varying_axes(x) -> frozenset[str]:
@@ -141,43 +49,6 @@ def vary_over(x, axes):
     """``pcast`` to varying over those of ``axes`` that ``x`` does not already vary over."""
     missing = tuple(a for a in sorted(axes) if a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _all_gather_invariant(x, axis: str, dim: int):
-    """All-gather whose result is typed replicated (invariant) over ``axis``, as its input was
-    before it was sliced. Public in newer JAX; jax 0.10 has it only internally."""
-    gather = getattr(jax.lax, "all_gather_invariant", None)
-    if gather is None:
-        from jax._src.lax.parallel import all_gather_invariant as gather
-    return gather(x, axis, axis=dim, tiled=True)
-
-
-def _sender(axis: str, split: tuple[str, int] | None) -> Callable:
-    """``send(x, perm)``: ``ppermute`` over ``axis``, of ``1/n`` slices when ``split`` is set."""
-    if split is None:
-        return lambda x, perm: jax.lax.ppermute(x, axis, perm)
-    name, dim = split
-    mesh = jax.sharding.get_abstract_mesh()
-    if name in mesh.manual_axes:
-        n = jax.lax.axis_size(name)
-
-        def send(x, perm):
-            size = x.shape[dim] // n
-            part = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(name) * size, size, dim)
-            return _all_gather_invariant(jax.lax.ppermute(part, axis, perm), name, dim)
-        return send
-
-    def spec(*entries):
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
-
-    def send(x, perm):  # GSPMD: a nested manual region over `name` sends each device's shard
-        sliced = jax.sharding.PartitionSpec(*[None] * dim, name)
-        moved = jax.shard_map(lambda part: jax.lax.ppermute(part, axis, perm), mesh=mesh,
-                              in_specs=sliced, out_specs=sliced, axis_names=frozenset({name}))
-        # replicated on both sides, or the propagation pulls the sliced layout into the stages
-        x = jax.lax.with_sharding_constraint(x, spec())
-        return jax.lax.with_sharding_constraint(moved(x), spec())
-    return send
 
 
 class PipelineGrads(NamedTuple):
@@ -195,7 +66,8 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
                             schedule: Schedule, axis: str = PIPELINE,
                             embed_fn: Callable | None = None, embed_params=None,
                             head_params=None, send_split: tuple[str, int] | None = None,
-                            side=None) -> tuple[jax.Array, PipelineGrads]:
+                            side=None, residuals: bool = True
+                            ) -> tuple[jax.Array, PipelineGrads]:
     """``(loss, PipelineGrads)`` of the ``p * v``-stage model run by ``schedule``, per rank,
     inside ``jax.shard_map`` over ``axis``.
 
@@ -219,6 +91,9 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
       "scatter/gather"): ``n`` times fewer bytes on the pipeline link, one all-gather on the
       fast tensor-parallel one. Manual ``axis_name``: an explicit slice and all-gather;
       automatic (GSPMD): sharding constraints, and XLA slices and gathers.
+    - ``residuals``: a ``B`` reads the VJP residuals its ``F`` kept (what ``stage_fn``'s own
+      remat policy saves) and runs only the backward; ``False``: it recomputes the stage from
+      the stage input, the only thing kept (:mod:`jaxtp.pipeline_program`).
 
     Returns the mean loss over the ``m`` micro-batches (summed over ``axis``, so every rank has
     it) and this rank's gradients: ``stages`` shaped like ``stage_params``, ``embed`` / ``head``
@@ -230,7 +105,8 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
     """
     _check_inputs(schedule, microbatches, stage_params, axis=axis, embed_fn=embed_fn,
                   embed_params=embed_params)
-    run = _Run(schedule, stage_fn, loss_fn, embed_fn, microbatches, axis=axis, side=side)
+    run = _Run(schedule, stage_fn, loss_fn, embed_fn, microbatches, axis=axis, side=side,
+               residuals=residuals)
     return run(stage_params, embed_params, head_params, send_split)
 
 
@@ -276,22 +152,46 @@ def _index(tree, i):
 
 
 def _read(buf, slot):
-    return jax.lax.dynamic_index_in_dim(buf, jnp.maximum(slot, 0), 0, keepdims=False)
+    return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
 
 
-def _write(buf, slot, value):  # slot -1: keep the buffer as it is
-    i = jnp.maximum(slot, 0)
-    return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, value, _read(buf, i)),
-                                               i, 0)
+def _write(buf, slot, value):  # unused writes go to the buffer's last (scratch) slot
+    return jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
+
+
+class _Type(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: Any
+    vma: frozenset[str]
+
+
+class _Operands(NamedTuple):
+    """What a tick's branch reads: the forward's and the backward's chunk, raw inputs (stage 0's
+    input and the side data) and targets; the stage input ``x`` of the forward, ``xb`` of a
+    recomputing backward, the output cotangent ``g``, the residual buffers and slot."""
+
+    fc: Any
+    bc: Any
+    raw_f: Any
+    tgt_f: Any
+    raw_b: Any
+    tgt_b: Any
+    x: Any
+    xb: Any
+    g: Any
+    res: list
+    res_slot: Any
 
 
 class _Run:
-    """One rank's execution of a :class:`Program`: the passes as ``lax.switch`` branches and the
-    tick that runs one of them and exchanges with the neighbours."""
+    """One rank's execution of a :class:`Program`: per segment a ``lax.scan`` over its ticks,
+    each running one branch of a ``lax.switch`` (at most one forward and one backward pass) and
+    then exchanging with the neighbours."""
 
     def __init__(self, schedule: Schedule, stage_fn, loss_fn, embed_fn, microbatches, *,
-                 axis: str, side=None):
-        self.s, self.prog, self.axis = schedule, compile_schedule(schedule), axis
+                 axis: str, side=None, residuals: bool = True):
+        self.s, self.axis = schedule, axis
+        self.prog = compile_schedule(schedule, residuals=residuals)
         self.stage_fn, self.loss_fn, self.embed_fn = stage_fn, loss_fn, embed_fn
         # Activations, cotangents and the loss vary over `axis` and the batch axes; parameters
         # also, so each tick's parameter cotangent stays local (no psum inside the loop).
@@ -309,30 +209,43 @@ class _Run:
         self.has_head = head_params is not None
         self._trace_types()
         rank = jax.lax.axis_index(self.axis)
-        rows = jnp.take(jnp.asarray(self.prog.rows), rank, axis=1)       # [ticks, 7]: this rank's
-        carry = (_zeros((self.prog.act_slots, *self.x_shape), self.x_dtype, self.act_vma),
-                 _zeros((self.prog.grad_slots, *self.x_shape), self.x_dtype, self.act_vma),
+        rows = jnp.take(jnp.asarray(self.prog.rows), rank, axis=1)  # [ticks, columns]: this rank's
+        prog = self.prog
+        carry = (_zeros((prog.act_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
+                 _zeros((prog.grad_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
+                 [_zeros((prog.res_slots + 1, *a.shape), a.dtype, a.vma) for a in self.res_types],
                  (_zeros_like(self.params), _zeros_like(self.eparams),
                   _zeros_like(self.hparams)), self.zero_loss)
-        self.send = _sender(self.axis, send_split)
-        (_, _, (grads, egrads, hgrads), loss), _ = jax.lax.scan(self._tick, carry, rows)
+        self.send = sender(self.axis, send_split)
+        for seg in prog.segments:
+            carry, _ = jax.lax.scan(self._tick_of(seg), carry, rows[seg.start:seg.stop])
+        _, _, _, (grads, egrads, hgrads), loss = carry
         total = (lambda t: None if t is None
                  else jax.tree.map(lambda a: jax.lax.psum(a, self.axis), t))
         return jax.lax.psum(loss, self.axis), PipelineGrads(grads, total(egrads), total(hgrads))
 
     def _trace_types(self) -> None:
-        """What a stage input and the loss look like, their varying axes included (e.g. `model`
-        when the stream is sequence-sharded, the replica axes of the parameters): traced once
-        for the types; the values are dead code."""
+        """What a stage input, the loss and the stage's stored VJP residuals look like, their
+        varying axes included (e.g. `model` when the stream is sequence-sharded, the replica axes
+        of the parameters): traced once for the types; the values are dead code."""
         x0 = self._embed(self.eparams, _index(self.inputs, 0))
         self.x_shape, self.x_dtype = x0.shape, x0.dtype
         self.act_vma = self.batch_vma | varying_axes(x0)
-        y0 = self._stage(jax.tree.map(lambda a: a[0], self.params), vary_over(x0, self.act_vma),
-                         _index(self.side, 0))
+        pc0 = jax.tree.map(lambda a: a[0], self.params)
+        side0 = _index(self.side, 0)
+        y0, vjp0 = jax.vjp(lambda pc, x: self._stage(pc, x, side0), pc0,
+                           vary_over(x0, self.act_vma))
+        self.recipe, stored = split_vjp(vjp0, pc0)
+        # varying over `pipeline` too: a branch of the tick's switch (whose index does) makes them
+        self.res_types = ([_Type(a.shape, a.dtype, varying_axes(a) | self.batch_vma)
+                           for a in stored] if self.prog.residuals else [])
         l0 = self._loss(self.hparams, y0, _index(self.targets, 0))
         self.loss_vma = self.batch_vma | varying_axes(l0)
         self.nothing = _zeros(self.x_shape, self.x_dtype, self.act_vma)
         self.zero_loss = _zeros((), jnp.float32, self.loss_vma)
+
+    def _no_res(self):
+        return [_zeros(t.shape, t.dtype, t.vma) for t in self.res_types]
 
     def _embed(self, ep, raw):
         return raw if self.embed_fn is None else self.embed_fn(ep, raw)
@@ -351,50 +264,104 @@ class _Run:
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False),
                             self.params)
 
-    def _pass(self, kind: str, first: bool, last: bool):
-        """One branch: ``(chunk, raw input, stage input, output cotangent, target, grads) ->
-        (y to send on, dx to send back, loss, grads)``. ``B`` recomputes the stage forward."""
-        def run(pc, ep, hp, x, raw, tgt):  # raw: (stage 0's input, the side data)
-            y = self._stage(pc, self._embed(ep, raw[0]) if first else x, raw[1])
-            return self._loss(hp, y, tgt) * (1.0 / self.s.m) if last else y
+    def _branch(self, branch: Branch, seg: Segment):
+        """``(operands, grads) -> (y to send on, dx to send back, loss, grads[, residuals to
+        store, the loss's own output cotangent])``: the branch's forward, then its backward (the
+        bracketed outputs only in a segment with forwards, when residuals are stored)."""
+        fwd, bwd, fused = branch
+        keeps = seg.forward and self.prog.residuals
 
-        def forward(c, raw, x, g, tgt, acc):
-            out = run(self._chunk(c), self.eparams, self.hparams, x, raw, tgt)
-            if last:
-                loss = vary_over(out.astype(jnp.float32), self.loss_vma)
-                return self.nothing, self.nothing, loss, acc
-            return vary_over(out, self.act_vma), self.nothing, self.zero_loss, acc
+        def run(ops: _Operands, acc):
+            y, dx, loss, kept, own = (self.nothing, self.nothing, self.zero_loss, None,
+                                      self.nothing)
+            if fwd is not None:
+                y, loss, acc, kept, own = self._forward(fwd, ops, acc)
+            if bwd is not None:
+                dx, acc = self._backward(bwd, ops, acc, (kept, own) if fused else None)
+            kept = self._no_res() if kept is None else kept
+            return (y, dx, loss, acc) + ((kept, own) if keeps else ())
+        return run
 
-        def backward(c, raw, x, g, tgt, acc):
-            sg, eg, hg = acc
-            out, vjp = jax.vjp(lambda pc, ep, hp, x: run(pc, ep, hp, x, raw, tgt),
-                               self._chunk(c), self.eparams, self.hparams, x)
-            dpc, dep, dhp, dx = vjp(jnp.ones_like(out) if last else g)
-            sg = _add_chunk(sg, c, dpc)
-            eg = _add(eg, dep) if first and eg is not None else eg
-            hg = _add(hg, dhp) if last and hg is not None else hg
-            dx = self.nothing if first else vary_over(dx, self.act_vma)
-            return self.nothing, dx, self.zero_loss, (sg, eg, hg)
-        return forward if kind == "F" else backward
+    def _forward(self, step: Step, ops: _Operands, acc):
+        """``F``: its output (the loss on the last stage), and when residuals are stored, its
+        VJP residuals and (last stage) the loss's cotangent, the head's gradient added."""
+        pc, raw = self._chunk(ops.fc), ops.raw_f
+        x = vary_over(self._embed(self.eparams, raw[0]), self.act_vma) if step.first else ops.x
+        if not self.prog.residuals:
+            y = self._stage(pc, x, raw[1])
+            if step.last:
+                loss = self._loss(self.hparams, y, ops.tgt_f) * (1.0 / self.s.m)
+                return self.nothing, vary_over(loss.astype(jnp.float32), self.loss_vma), acc, \
+                    None, self.nothing
+            return vary_over(y, self.act_vma), self.zero_loss, acc, None, self.nothing
+        y, vjp = jax.vjp(lambda pc, x: self._stage(pc, x, raw[1]), pc, x)
+        kept = [vary_over(a, t.vma) for a, t in zip(split_vjp(vjp, pc)[1], self.res_types)]
+        if not step.last:
+            return vary_over(y, self.act_vma), self.zero_loss, acc, kept, self.nothing
+        loss, head_vjp = jax.vjp(
+            lambda hp, y: self._loss(hp, y, ops.tgt_f) * (1.0 / self.s.m), self.hparams, y)
+        dhp, dy = head_vjp(jnp.ones_like(loss))
+        sg, eg, hg = acc
+        hg = _add(hg, dhp) if hg is not None else hg
+        loss = vary_over(loss.astype(jnp.float32), self.loss_vma)
+        return self.nothing, loss, (sg, eg, hg), kept, vary_over(dy, self.act_vma)
 
-    def _idle(self, c, raw, x, g, tgt, acc):
-        return self.nothing, self.nothing, self.zero_loss, acc
+    def _backward(self, step: Step, ops: _Operands, acc, direct):
+        """``B``: the stage's backward from its stored residuals (``direct``: those of the
+        forward just run, and its loss cotangent), or recomputing its forward first."""
+        sg, eg, hg = acc
+        pc, raw = self._chunk(ops.bc), ops.raw_b
+        if self.prog.residuals:
+            kept, g = direct if direct is not None else (
+                [_read(b, ops.res_slot) for b in ops.res], ops.g)
+            dpc, dx = join_vjp(self.recipe, pc, kept)(g)
+            if step.first and eg is not None:  # the embedding's backward (a scatter-add)
+                eg = _add(eg, jax.vjp(lambda ep: self._embed(ep, raw[0]), self.eparams)[1](dx)[0])
+        else:
+            def run(pc, ep, hp, x):
+                y = self._stage(pc, self._embed(ep, raw[0]) if step.first else x, raw[1])
+                return self._loss(hp, y, ops.tgt_b) * (1.0 / self.s.m) if step.last else y
+            out, vjp = jax.vjp(run, pc, self.eparams, self.hparams, ops.xb)
+            dpc, dep, dhp, dx = vjp(jnp.ones_like(out) if step.last else ops.g)
+            eg = _add(eg, dep) if step.first and eg is not None else eg
+            hg = _add(hg, dhp) if step.last and hg is not None else hg
+        sg = _add_chunk(sg, ops.bc, dpc)
+        dx = self.nothing if step.first else vary_over(dx, self.act_vma)
+        return dx, (sg, eg, hg)
 
-    def _tick(self, carry, row):
-        """Run this rank's pass of the tick, then send the forward output to rank ``r + 1`` and
-        the input cotangent to rank ``r - 1`` and store what arrives in its slots."""
-        acts, cots, acc, loss = carry                                # acts: [A, b, s, h]
-        p = self.s.p
-        mb = row[MICROBATCH]
-        raw = (_index(self.inputs, mb), _index(self.side, mb))  # stage 0's input, every stage's
-        tgt = _index(self.targets, mb)
-        x, g = _read(acts, row[ACT_SLOT]), _read(cots, row[GRAD_SLOT])     # [b, s, h] each
-        branches = [self._idle] + [self._pass(*k) for k in self.prog.passes]
-        y, dx, dloss, acc = jax.lax.switch(row[KIND], branches, row[CHUNK], raw, x, g, tgt, acc)
-        if p > 1:
+    def _tick_of(self, seg: Segment):
+        """The scan body of ``seg``: run this rank's branch of the tick, then send the forward
+        output to rank ``r + 1`` and the input cotangent to rank ``r - 1``, and store what
+        arrives, and what the forward keeps, in their slots."""
+        p, keeps = self.s.p, seg.forward and self.prog.residuals
+        branches = [self._branch(b, seg) for b in ((Branch(None, None, False),) + seg.branches)]
+
+        def tick(carry, row):
+            acts, cots, res, acc, loss = carry                       # acts: [A + 1, b, s, h]
+            f_mb, b_mb = row[col.F_MB], row[col.B_MB]
+            ops = _Operands(
+                fc=row[col.F_CHUNK], bc=row[col.B_CHUNK],
+                raw_f=(_index(self.inputs, f_mb), _index(self.side, f_mb)),
+                tgt_f=_index(self.targets, f_mb),
+                raw_b=(_index(self.inputs, b_mb), _index(self.side, b_mb)),
+                tgt_b=_index(self.targets, b_mb),
+                x=_read(acts, row[col.ACT_SLOT]) if seg.forward else self.nothing,
+                xb=(_read(acts, row[col.B_ACT_SLOT]) if seg.backward and not self.prog.residuals
+                    else self.nothing),
+                g=_read(cots, row[col.GRAD_SLOT]) if seg.backward else self.nothing,
+                res=res, res_slot=row[col.RES_SLOT])
+            out = jax.lax.switch(row[col.KIND], branches, ops, acc)
+            y, dx, dloss, acc = out[:4]
             n_pairs = p if self.prog.cyclic else p - 1
-            y = self.send(y, [(r, (r + 1) % p) for r in range(n_pairs)])       # r -> r + 1
-            dx = self.send(dx, [((r + 1) % p, r) for r in range(n_pairs)])     # r -> r - 1
-        acts = _write(acts, row[RECV_ACT], y)
-        cots = _write(cots, row[RECV_GRAD], dx)
-        return (acts, cots, acc, loss + dloss), None
+            if p > 1 and seg.sends_forward:
+                y = self.send(y, [(r, (r + 1) % p) for r in range(n_pairs)])   # r -> r + 1
+                acts = _write(acts, row[col.RECV_ACT], y)
+            if p > 1 and seg.sends_backward:
+                dx = self.send(dx, [((r + 1) % p, r) for r in range(n_pairs)])  # r -> r - 1
+                cots = _write(cots, row[col.RECV_GRAD], dx)
+            if keeps:
+                kept, own = out[4:]
+                cots = _write(cots, row[col.OWN_GRAD], own)
+                res = [_write(b, row[col.WRITE_RES], a) for b, a in zip(res, kept)]
+            return (acts, cots, res, acc, loss + dloss), None
+        return tick

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxtp import pipeline, schedules
+from jaxtp import pipeline, pipeline_program, schedules
 from jaxtp.axes import MODEL, PIPELINE
 from jaxtp.grad_sync import mark_data_parallel, sync_grads
 from jaxtp.layers.attention import positional
@@ -53,17 +53,27 @@ from jaxtp.region import Region
 from jaxtp.token_mean import masked_sum, token_count
 
 
-def branch_weights(layout: Layout, rank: int = 0) -> dict[int, tuple[float, ...]]:
-    """How often pipeline ``rank`` takes each branch of the schedule's per-tick ``lax.switch``,
-    as fractions of the ticks, keyed by the branch count (:data:`jaxtp.hlo.BranchWeights`): what
-    the census needs to count the stages' collectives as executed, not once per tick each."""
+def stores_residuals(layout: Layout) -> bool:
+    """Whether a stage's backward reads the VJP residuals its forward kept (what
+    ``parallel.remat`` saves) or recomputes the stage from its input
+    (:func:`jaxtp.pipeline_program.stores_residuals`: under ``remat=full`` and for GPipe)."""
     par = layout.cfg.parallel
-    prog = pipeline.compile_schedule(schedules.build(
+    return pipeline_program.stores_residuals(par.pipeline_schedule, par.remat)
+
+
+def program(layout: Layout) -> pipeline.Program:
+    """The compiled schedule the pipelined step runs."""
+    par = layout.cfg.parallel
+    return pipeline.compile_schedule(schedules.build(
         par.pipeline_schedule, layout.degrees[PIPELINE], layout.cfg.train.microbatches,
-        par.virtual_stages))
-    kinds = prog.rows[:, rank, pipeline.KIND]
-    n = len(prog.passes) + 1
-    return {n: tuple(float((kinds == k).sum()) / len(kinds) for k in range(n))}
+        par.virtual_stages), residuals=stores_residuals(layout))
+
+
+def branch_weights(layout: Layout, rank: int = 0) -> dict[int, tuple[float, ...]]:
+    """How often pipeline ``rank`` takes each branch of the schedule's per-tick ``lax.switch`` es,
+    as fractions of their ticks, keyed by the branch count (:data:`jaxtp.hlo.BranchWeights`):
+    what the census needs to count the stages' collectives as executed, not once per tick each."""
+    return program(layout).branch_weights(rank)
 
 
 class _Parts:
@@ -182,7 +192,8 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
             stage, loss_fn, _chunks(layout, params["blocks"]), (tokens, targets),
             schedule=schedule, send_split=_send_split(layout), embed_fn=parts.embed,
             embed_params={"embed": gathered["embed"]}, side=side,
-            head_params={"final_norm": gathered["final_norm"], out_key: gathered[out_key]})
+            head_params={"final_norm": gathered["final_norm"], out_key: gathered[out_key]},
+            residuals=stores_residuals(layout))
         grads = _assemble_grads(layout, gathered, g, ungather)
         loss = jax.lax.psum(loss, dp) if dp else loss
         grads = sync_grads(grads, layout.param_specs, layout.grad_specs, replicas)  # once

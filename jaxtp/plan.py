@@ -22,8 +22,8 @@ from jaxtp.config import Config, ConfigError
 from jaxtp.cost_model import AXES, REMATS, SCHEDULES, Estimate, Layout, Shape
 from jaxtp.hardware import Hardware
 from jaxtp.memory_model import (batch_expert, effective_remat, memory, micro_batch_size,
-                                stage_params, zero_shards)
-from jaxtp.schedules import build as build_schedule
+                                program, stage_params, zero_shards)
+from jaxtp.pipeline_program import stores_residuals
 from jaxtp.time_model import gradient_sync, link, step_time
 from jaxtp.validate import validate
 
@@ -90,8 +90,8 @@ def _schedules(s: Shape, deg: dict, local_batch: int, space: SearchSpace,
             continue
         for name in space.schedules:
             # Megatron's runtime: GPipe holds m micro-batches to 1F1B's min(m, p) for the same
-            # bubble, only worth listing where 1F1B cannot run (m < p) or is not allowed. jaxtp's
-            # lockstep runtime makes 1F1B slower than GPipe: both are candidates.
+            # bubble, only worth listing where 1F1B cannot run (m < p) or is not allowed. In
+            # jaxtp's runtime 1F1B holds 2p - 2 micro-batches to GPipe's m: both are candidates.
             gpipe = name == "gpipe" and (m < p or "1f1b" not in space.schedules
                                          or activations == "jaxtp")
             if gpipe or (name == "1f1b" and m >= p):
@@ -248,11 +248,12 @@ def predicted_grad_step(s: Shape, layout: Layout, *, activations: str = "jaxtp")
         hops = (c - 1) * kv * e * (3 if effective_remat(layout) == "full" else 2) + c * kv * 4
         census["collective-permute", ("context",)] = m * s.layers * hops
     p = layout.pipeline
-    if p > 1:  # two sends per tick (each TP rank's 1/t slice), the table gradients once per step
-        ticks = build_schedule(layout.pipeline_schedule, p, m, layout.virtual_stages).ticks
+    if p > 1:  # the program's sends (each TP rank's 1/t slice), the table gradients once
+        transfers = program(layout.pipeline_schedule, p, m, layout.virtual_stages,
+                            stores_residuals(layout.pipeline_schedule, layout.remat)).transfers
         sliced = layout.sequence_parallel or tokens // micro_batch_size(s, layout) % t == 0
         census["collective-permute", ("pipeline",)] = (
-            2 * ticks * tokens * s.d_model * e / (t if sliced else 1))
+            transfers * tokens * s.d_model * e / (t if sliced else 1))
         # stage 0's embedding gradient and the last stage's head (+ final norm) gradient are
         # summed over `pipeline` separately: a tied table twice
         census["all-reduce", ("pipeline",)] = pb * ((2 if s.tied else 1) * table + s.d_model)

@@ -92,10 +92,11 @@ class Schedule:
 
     def lockstep_time(self, forward: float = 1.0, backward: float = 3.0,
                       weight: float | None = None) -> float:
-        """Step time when every tick lasts as long as its slowest pass, as in jaxtp's runtime
-        (:mod:`jaxtp.pipeline`: one pass per rank per tick, then the transfers): a tick costs
-        ``backward`` if any rank runs a B in it, ``forward`` if only F s, per chunk (``/ v``).
-        The default 1 : 3 is jaxtp's B, which recomputes the stage forward before its backward.
+        """Step time when every tick of this table (one pass per rank) lasts as long as its
+        slowest pass: a tick costs ``backward`` if any rank runs a B in it, ``forward`` if only
+        F s, per chunk (``/ v``). jaxtp's runtime packs the table into ticks of one F and one
+        B per rank instead: ``jaxtp.pipeline_program.Program.lockstep_time``. The default
+        1 : 3 is a B that recomputes the stage forward.
         Compare ``m * (forward + backward)``, one rank's busy time: GPipe's ticks
         are all-F or all-B and meet the textbook bubble; 1F1B's steady state mixes F on some
         ranks with B on others, so most of its ticks cost a B. ZB-H1's ``W`` costs ``weight``
@@ -153,7 +154,8 @@ def lockstep_ticks(name: str, p: int, m: int, v: int = 1) -> tuple[int, int]:
 
 
 def lockstep_factor(name: str, p: int, m: int, v: int = 1, backward: float = 3.0) -> float:
-    """jaxtp's pipelined step over one rank's busy time, ``m (F + B)``, with ``B = backward * F``:
+    """The one-pass-per-tick table's lock-step time over one rank's busy time, ``m (F + B)``
+    (jaxtp's planner uses it as an upper bound for interleaved pipelines), ``B = backward * F``:
     ``(m + p - 1) / m`` for GPipe (the textbook bubble), more for 1F1B and interleaved, whose
     steady-state ticks last a backward on every rank (1.5 for 1F1B as m grows, at B = 3F).
     ZB-H1 runs the backward as two passes, each taken as ``backward / 2``."""

@@ -17,11 +17,12 @@ algorithms: all-reduce 2(n-1)/n bytes, gather / scatter (n-1)/n. Exposed vs over
   and ``context``), bucketed per layer and overlapped with the last micro-batch's backward (the
   only time gradients become final), except the last bucket. ZeRO-1/2's all-gather of the
   updated parameters after the optimizer is exposed.
-- Pipeline: one p2p of b s h / t per tick, exposed, and the bubble. ``activations="megatron"``:
-  Megatron-LM's runtime, (p-1)/v micro-batch times. ``"jaxtp"``: jaxtp's lockstep runtime, in
-  which a tick lasts as long as its slowest pass and each B re-runs its stage forward:
-  ``schedules.lockstep_factor`` x one rank's busy time, the textbook bubble for GPipe, about
-  1.5 x the busy time for 1F1B as m grows.
+- Pipeline: one p2p of b s h / t each way per tick of the table, exposed, and the bubble.
+  ``activations="megatron"``: Megatron-LM's runtime, (p-1)/v micro-batch times. ``"jaxtp"``:
+  jaxtp's lockstep runtime, in which a tick (at most one F and one B per rank) lasts as long as
+  its busiest rank's: ``Program.lockstep_time``, the textbook bubble for GPipe and for 1F1B
+  (whose ticks pair a forward with a backward; interleaved: the one-pass-per-tick table's, an
+  upper bound); a B re-runs its stage forward only under ``remat=full`` and for GPipe.
 The step ends with the Adam update, memory-bound over the moment shard. A group of devices uses
 the fast link iff it fits in one node, devices filling nodes in mesh order (``model`` innermost).
 """
@@ -34,6 +35,7 @@ from jaxtp.cost_model import AXES, Layout, Shape
 from jaxtp.hardware import Hardware, Link
 from jaxtp.memory_model import (effective_remat, layer_activation_bytes, micro_batch_size,
                                 stage_params, zero_shards)
+from jaxtp.pipeline_program import stores_residuals
 from jaxtp.schedules import lockstep_factor
 
 
@@ -60,9 +62,10 @@ def step_time(s: Shape, layout: Layout, hw: Hardware, *,
 
     ``activations`` also picks the pipeline runtime: ``"megatron"`` models Megatron-LM's, whose
     passes each take their own time (bubble (p-1)/v micro-batch times); ``"jaxtp"`` models
-    jaxtp's (:mod:`jaxtp.pipeline`): each B re-runs its stage's forward (+1 forward of FLOPs and
-    of TP collectives) and every tick lasts as long as its slowest pass, so the pipelined time
-    is :func:`jaxtp.schedules.lockstep_factor` times one rank's busy time."""
+    jaxtp's (:mod:`jaxtp.pipeline`): a B reads its forward's stored residuals (under
+    ``remat=full`` and for GPipe it re-runs its stage's forward: +1 forward of FLOPs and TP
+    collectives) and a tick, at most one F and one B per rank, lasts as long as its busiest
+    rank's, so the pipelined time is the program's ``Program.lockstep_time``."""
     t, p, c, d, ep = layout.model, layout.pipeline, layout.context, layout.data, layout.expert
     m, v, e, pb = layout.microbatches, layout.virtual_stages, s.compute_bytes, s.param_bytes
     b = micro_batch_size(s, layout)
@@ -76,7 +79,8 @@ def step_time(s: Shape, layout: Layout, hw: Hardware, *,
     f_logits = 2 * tokens * s.d_model * s.padded_vocab(t) / t  # the last stage's head
     f_re = {"full": f_layer, "selective": f_attn}.get(remat, 0.0)
     lockstep = p > 1 and activations == "jaxtp"
-    if lockstep:  # jaxtp's B recomputes the stage's forward (jaxtp.pipeline)
+    if lockstep and not stores_residuals(layout.pipeline_schedule, layout.remat):
+        # jaxtp's B then recomputes the stage's forward
         f_re += f_layer
     kw = dict(b=b, s_loc=s_loc, t=t, sp=layout.sequence_parallel, ring=c > 1 or s.flash,
               activations=activations)
@@ -122,7 +126,10 @@ def step_time(s: Shape, layout: Layout, hw: Hardware, *,
     micro = compute + tp + cp + moe + zero3
 
     if lockstep:
-        factor = lockstep_factor(layout.pipeline_schedule, p, m, v, backward=bwd / fwd)
+        # GPipe and the packed 1F1B: (m + p - 1) (F + B) (Program.lockstep_time, tested);
+        # interleaved: the one-pass-per-tick table's, an upper bound of its packed program's
+        factor = ((m + p - 1) / m if v == 1 and m >= p or layout.pipeline_schedule == "gpipe"
+                  else lockstep_factor(layout.pipeline_schedule, p, m, v, backward=bwd / fwd))
         bubble = (factor - 1.0) * m * micro
     else:
         bubble = (p - 1) / v * micro

@@ -43,7 +43,7 @@ def test_activation_memory_quick(tmp_path):
 def test_pipeline_bubble_quick(tmp_path):
     """p=2, m in {4, 8}: the executed GPipe and 1F1B tables have the bubble (p-1)/(m+p-1); at a
     fixed micro-batch size 1F1B's compiled temporaries stay flat in m (<= 1.1x) while GPipe's
-    grow by at least its extra stored stage inputs. LLVM at -O0 halves the compiles and leaves
+    grow by at least its extra stored slots. LLVM at -O0 halves the compiles and leaves
     the buffer assignment, so the byte counts, unchanged."""
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     proc = subprocess.run(
@@ -64,4 +64,4 @@ def test_pipeline_bubble_quick(tmp_path):
     temp = {k: int(cols[10].replace(",", "")) for k, cols in rows.items()}
     assert temp["1f1b", 8] <= 1.1 * temp["1f1b", 4], temp
     assert temp["gpipe", 8] - temp["gpipe", 4] >= (8 - 4) * slot, temp
-    assert int(rows["gpipe", 8][8]) == 8 and int(rows["1f1b", 8][8]) == p  # act slots
+    assert int(rows["gpipe", 8][8]) == 8 and int(rows["1f1b", 8][8]) == p  # stash slots

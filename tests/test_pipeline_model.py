@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtp import config, engine, inspect, schedules, testing
+from jaxtp import config, engine, inspect, pipelined_step, testing
 from jaxtp.checkpoint import Checkpointer
 from jaxtp.config import ConfigError
 from jaxtp.train import Trainer
@@ -72,17 +72,17 @@ def test_census_only_activations_cross_pipeline(mode, sp):
     p, m, t = 2, 2, 2
     cfg, ops = _pipeline_ops(*_pipe("1f1b", p, m), "parallel.data=2", f"parallel.model={t}",
                              f"parallel.mode={mode}", f"parallel.sequence_parallel={sp}")
-    ticks = schedules.build("1f1b", p, m).ticks
+    transfers = pipelined_step.program(engine.build(cfg).layout).transfers
     b = B // 2 // m  # micro-batch rows per data shard
     act = b * S * H * 4
     sends = [op for op in ops if op.axes == ("pipeline",) and op.kind == "collective-permute"]
-    assert sum(op.executions for op in sends) == 2 * ticks
+    assert sum(op.executions for op in sends) == transfers
     assert {op.bytes for op in sends} == {act // t}
     # plain TP: the slices are all-gathered over `model` after each transfer (SP: never)
     # (outside the schedule's per-tick branches: the stages' own SP gathers are inside them)
     after_send = [op for op in ops if op.axes == ("model",) and op.kind == "all-gather"
-                  and op.executions == ticks and "branch" not in op.op_name]
-    assert sum(op.executions for op in after_send) == (0 if sp else 2 * ticks)
+                  and "branch" not in op.op_name]
+    assert sum(op.executions for op in after_send) == (0 if sp else transfers)
     assert all(op.bytes == act for op in after_send)
     others = [op for op in ops if "pipeline" in op.axes and op.kind != "collective-permute"]
     assert others and all(op.kind == "all-reduce" and op.executions == 1 for op in others)
@@ -91,14 +91,39 @@ def test_census_only_activations_cross_pipeline(mode, sp):
     assert grad_sync and all(op.executions == 1 for op in grad_sync)
     if mode == "explicit" and not sp:
         # the census counts what pipeline rank 0 runs: per micro-batch and layer of its stage, 2
-        # TP all-reduces forward, 2 in the backward's recompute and 2 backward, plus the
-        # vocab-parallel embedding's (forward and recompute); never once per tick per branch
+        # TP all-reduces forward and 2 backward (the backward reads the forward's residuals, it
+        # does not recompute), plus the vocab-parallel embedding's forward one; never once per
+        # tick per branch
         tp = [op for op in ops if op.axes == ("model",) and op.kind == "all-reduce"
               and op.bytes == act]
-        assert sum(op.executions for op in tp) == m * (6 * 4 // p + 2)
+        assert sum(op.executions for op in tp) == m * (4 * 4 // p + 1)
     # no activation ever moves over `pipeline` as anything but a point-to-point send
     assert not [op for op in ops if "pipeline" in op.axes and op.kind in
                 ("all-gather", "reduce-scatter", "all-to-all")]
+
+
+@pytest.mark.parametrize("remat, ratio", [("none", 1.0), ("full", 5 / 4)])
+def test_matmul_flops_equal_the_unpipelined_step(remat, ratio):
+    """Compiled matmul FLOPs per step over all ranks (each pipeline rank's own branch
+    frequencies), against the same batch on data=8: under remat=none the backward reads the
+    forward's residuals, so no forward matmul runs twice (the dots per layer per micro-batch are
+    the unpipelined step's); under remat=full the backward recomputes its stage (5F against the
+    unpipelined full recompute's 4F). tiny, 4 layers, p=2 x data=4, 1F1B, m=4."""
+    from jaxtp import hlo
+
+    def flops(cfg):
+        eng = engine.build(cfg)
+        text = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile().as_text()
+        if not eng.pipelined:
+            return hlo.dot_flops(text)
+        return sum(hlo.dot_flops(text, pipelined_step.branch_weights(eng.layout, r))
+                   for r in range(2)) / 2
+
+    common = ["model.n_layers=4", "train.seq_len=32", "train.batch_size=32",
+              f"parallel.remat={remat}"]
+    piped = flops(config.load("tiny", [*common, *_pipe("1f1b", 2, 4), "parallel.data=4"]))
+    flat = flops(config.load("tiny", [*common, "parallel.data=8"]))
+    assert piped / flat == pytest.approx(ratio, rel=0.02)
 
 
 def test_trained_step_equals_unpipelined_and_checkpoints_move_between_layouts(tmp_path):

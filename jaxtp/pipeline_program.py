@@ -1,0 +1,364 @@
+"""A pipeline schedule compiled to per-rank integer rows: what :mod:`jaxtp.pipeline` executes.
+
+:mod:`jaxtp.schedules` says in which order each rank runs its forward (``F``) and backward
+(``B``) passes, one pass per tick. The runtime packs that order into *ticks of work*: a rank runs
+at most one ``F`` and then at most one ``B`` per tick, so 1F1B's steady state pairs a forward with
+a backward on every rank and a tick lasts ``F + B`` everywhere, as GPipe's ticks do, in about half
+the ticks (Narayanan et al. 2021 count 1F1B's time this way). A pass keeps its rank's order; a
+``B`` may use the ``F`` of the same tick on the same rank (the last stage's ``F`` then ``B``), any
+other result is usable from the next tick on. Each packed tick becomes, per rank, a row of small
+integers (:class:`Program`): which branch of the tick's ``lax.switch`` to take (a combination of
+at most one ``F`` and one ``B`` pass kind), which chunks and micro-batches, which buffer slots the
+passes read, and into which slots what they keep and what arrives is written. Slots are assigned
+statically (interval colouring of write-to-last-read lifetimes), so a buffer holds as many entries
+as the schedule keeps alive at once on one rank: GPipe ``m``, 1F1B about ``p``, whatever ``m``.
+Runs of ticks in which no rank runs a ``F`` (or no rank a ``B``) are :class:`Segment` s, each its
+own ``lax.scan`` with only the work it needs (GPipe: a forward scan, then a backward one).
+
+Two ways to run a backward (``residuals``):
+
+- stored residuals (the default): ``F`` runs ``jax.vjp`` of its stage and keeps the VJP's
+  residuals (what the stage's remat policy saves: everything under no remat) in a residual slot
+  until the micro-batch's ``B``, which only runs the backward: 3F of work per micro-batch, as
+  without a pipeline. A stage input is held only from its arrival to its ``F``; the last stage's
+  ``F`` also runs the loss and its backward (and, when its ``B`` is in the same tick, passes the
+  residuals on directly instead of storing them).
+- recompute: ``B`` reruns its stage's forward from the stage input (held from arrival to ``B``)
+  before the backward, GPipe's per-stage full recompute (Huang et al. 2019, sec. 2.3): only stage
+  inputs are stored, 4F of work per micro-batch.
+
+Unused slot columns hold the buffer's scratch slot (its last), so every write is unconditional.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxtp.schedules import Pass, Schedule, ScheduleError, Tick, check_pipeline, dependencies
+
+# columns of Program.rows
+(KIND, F_CHUNK, F_MB, B_CHUNK, B_MB, ACT_SLOT, B_ACT_SLOT, GRAD_SLOT, RES_SLOT, WRITE_RES,
+ OWN_GRAD, RECV_ACT, RECV_GRAD) = range(13)
+N_COLUMNS = 13
+
+
+class Step(NamedTuple):
+    """One pass kind of a branch: ``kind`` of a ``first`` / ``last`` stage (``last``: it runs
+    the loss)."""
+
+    kind: str
+    first: bool
+    last: bool
+
+
+class Branch(NamedTuple):
+    """A rank's work in one tick: a forward, a backward (either may be ``None``), and whether
+    the backward is the same micro-batch's, right after its forward (the last stage)."""
+
+    forward: Step | None
+    backward: Step | None
+    fused: bool
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Ticks ``[start, stop)``, run by one ``lax.scan`` whose ``lax.switch`` has ``branches``
+    (``KIND`` indexes them; 0 is idle); ``forward`` / ``backward``: whether any rank runs one;
+    ``sends_forward`` / ``sends_backward``: whether one of them has a next (previous) stage to send
+    its output (input cotangent) to."""
+
+    start: int
+    stop: int
+    forward: bool
+    backward: bool
+    branches: tuple[Branch, ...]
+    sends_forward: bool
+    sends_backward: bool
+
+
+@dataclass(frozen=True)
+class Program:
+    """A schedule compiled to per-rank integer rows: ``rows[tick, rank, column]``.
+
+    Columns: ``KIND`` (branch of the tick's segment), ``F_CHUNK`` / ``F_MB`` and ``B_CHUNK`` /
+    ``B_MB`` (chunk and micro-batch of the forward and the backward); the slots the passes read:
+    ``ACT_SLOT`` (the forward's stage input; stage 0 reads ``microbatches``), ``B_ACT_SLOT`` (the
+    backward's, when it recomputes), ``GRAD_SLOT`` (the output cotangent), ``RES_SLOT`` (the
+    residuals); the slots written: ``WRITE_RES`` and ``OWN_GRAD`` (the forward's residuals and the
+    last stage's loss cotangent, before the tick's backward), ``RECV_ACT`` / ``RECV_GRAD`` (what
+    arrives from rank ``r - 1`` / ``r + 1`` at the end of the tick). A column with nothing to read
+    or write holds its buffer's scratch slot (``*_slots``).
+    """
+
+    schedule: Schedule
+    rows: np.ndarray        # int32 [ticks, p, N_COLUMNS]
+    segments: tuple[Segment, ...]
+    residuals: bool         # B reads stored VJP residuals (else recomputes its stage)
+    act_slots: int          # stage inputs held per rank (arrival -> F, or -> B when recomputing)
+    grad_slots: int         # output cotangents held per rank
+    res_slots: int          # VJP residual sets held per rank (F -> B; 0 when recomputing)
+
+    @property
+    def cyclic(self) -> bool:
+        return self.schedule.v > 1
+
+    @property
+    def ticks(self) -> int:
+        return len(self.rows)
+
+    @property
+    def stash_slots(self) -> int:
+        """Micro-batches whose backward state a rank holds at its peak: residual sets, or the
+        stage inputs when ``B`` recomputes."""
+        return self.res_slots if self.residuals else self.act_slots
+
+    @property
+    def transfers(self) -> int:
+        """``ppermute`` s over the pipeline axis per step: activations in ticks of a segment with
+        forwards, cotangents in ticks of one with backwards (none for one stage)."""
+        if self.schedule.p == 1:
+            return 0
+        return sum((s.stop - s.start) * (s.sends_forward + s.sends_backward)
+                   for s in self.segments)
+
+    def branch_weights(self, rank: int) -> dict[int, tuple[float, ...]]:
+        """How often ``rank`` takes each branch of each segment's ``lax.switch``, as fractions
+        of the segment's ticks, keyed by the branch count (:data:`jaxtp.hlo.BranchWeights`; the
+        segments' counts differ, see :func:`compile_schedule`)."""
+        out = {}
+        for seg in self.segments:
+            kinds = self.rows[seg.start:seg.stop, rank, KIND]
+            n = len(seg.branches) + 1
+            out[n] = tuple(float((kinds == k).sum()) / len(kinds) for k in range(n))
+        return out
+
+    def lockstep_time(self, forward: float = 1.0, backward: float = 2.0) -> float:
+        """Step time when every tick lasts as long as its busiest rank's work (``forward`` for
+        its ``F``, ``backward`` for its ``B``; a chunk's pass is ``1 / v`` of that). The default
+        1 : 2 is a backward from stored residuals."""
+        per_rank = [self.executed(r) for r in range(self.schedule.p)]
+        return sum(max(((b.forward is not None) * forward + (b.backward is not None) * backward)
+                       for b in tick if b is not None)
+                   for tick in zip(*per_rank) if any(tick)) / self.schedule.v
+
+    def executed(self, rank: int) -> list[Branch | None]:
+        """Per tick, the branch ``rank`` runs (``None``: idle)."""
+        out = []
+        for seg in self.segments:
+            for k in self.rows[seg.start:seg.stop, rank, KIND]:
+                out.append(seg.branches[k - 1] if k else None)
+        return out
+
+
+def stores_residuals(schedule: str, remat: str) -> bool:
+    """Whether jaxtp's pipelined model keeps VJP residuals (else recomputes each stage in its
+    backward): not under ``remat=full``, which asks to keep stage inputs only, and not for GPipe,
+    which holds every micro-batch until its backwards start: GPipe's own answer is to keep only
+    stage inputs and recompute (Huang et al. 2019, sec. 2.3); m whole residual sets made the
+    step slower on the simulated CPU mesh (1.2x at 16 layers, p=2, m=8), memory-bound."""
+    return remat != "full" and schedule != "gpipe"
+
+
+def _assign_slots(lifetimes: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Interval colouring: ``(written at time a, last read at time b, key)`` -> slot; a slot
+    takes a new value written after its occupant's last read."""
+    free_at: list[int] = []  # per slot, the time of its occupant's last read
+    slot_of = {}
+    for a, b, key in sorted(lifetimes):
+        for s, end in enumerate(free_at):
+            if end < a:
+                break
+        else:
+            s = len(free_at)
+            free_at.append(0)
+        free_at[s] = b
+        slot_of[key] = s
+    return slot_of, len(free_at)
+
+
+def _colour(per_rank: list[list]) -> tuple[dict, int]:
+    """Slots for every rank's lifetimes; the size is the busiest rank's (at least 1)."""
+    slot, n = {}, 1
+    for lifetimes in per_rank:
+        s, k = _assign_slots(lifetimes)
+        slot.update(s)
+        n = max(n, k)
+    return slot, n
+
+
+def in_flight_cap(s: Schedule, device: int) -> int:
+    """Micro-batches (chunk passes) ``device`` may hold in the packed program: the table's own
+    peak, except 1F1B's. In lock-step ticks of ``F + B`` a micro-batch's trip from stage ``d``
+    to the last stage and back takes ``2 (p - 1 - d) + 1`` ticks, so with the table's ``p - d``
+    in flight the rank would idle the rest of the trip and the step take 1.1-1.5x GPipe's; with
+    ``2 (p - d) - 1`` every steady-state tick pairs a forward with a backward and the step takes
+    GPipe's ``(m + p - 1) (F + B)`` -- still independent of ``m``."""
+    if s.name == "1f1b":
+        return min(max(2 * (s.p - device) - 1, s.in_flight(device)), s.m)
+    return s.in_flight(device)
+
+
+def pack(s: Schedule) -> list[Tick]:
+    """The schedule in ticks of at most one ``F`` then one ``B`` per rank. A rank runs its
+    backwards in the table's order, each after the forwards the table puts before it; its
+    forwards in order too, each as soon as its input is ready and the rank holds fewer than
+    :func:`in_flight_cap` micro-batches (so a forward may run ahead of the table's ticks). A
+    ``B`` may use the ``F`` just run on its rank in the same tick (the last stage's)."""
+    n_stages = s.p * s.v
+    order: list[list[Tick]] = [[] for _ in range(s.p)]
+    for t in sorted(s.table, key=lambda t: t.tick):
+        order[t.device].append(t)
+    fwd = [[t for t in o if t.kind == "F"] for o in order]
+    bwd = [[t for t in o if t.kind == "B"] for o in order]
+    before = [[] for _ in range(s.p)]  # per backward, the forwards its rank's table runs first
+    for d, o in enumerate(order):
+        n = 0
+        for t in o:
+            n += t.kind == "F"
+            if t.kind == "B":
+                before[d].append(n)
+    caps = [in_flight_cap(s, d) for d in range(s.p)]
+    done: dict[Pass, int] = {}
+    nf, nb, out, tick = [0] * s.p, [0] * s.p, [], 0
+
+    def ready(t: Tick, also: Tick | None) -> bool:
+        ok = {Pass(also.kind, also.stage, also.microbatch)} if also else set()
+        return all(done.get(x, tick) < tick or x in ok
+                   for x in dependencies(Pass(t.kind, t.stage, t.microbatch), n_stages))
+    while any(nb[d] < len(bwd[d]) for d in range(s.p)):
+        ran = []
+        for d in range(s.p):
+            f = fwd[d][nf[d]] if nf[d] < len(fwd[d]) and ready(fwd[d][nf[d]], None) else None
+            b = bwd[d][nb[d]] if nb[d] < len(bwd[d]) else None
+            if b is not None and not (before[d][nb[d]] <= nf[d] + (f is not None)
+                                      and ready(b, f)):
+                b = None
+            if f is not None and nf[d] + 1 - nb[d] - (b is not None) > caps[d]:
+                f = None
+                if b is not None and not (before[d][nb[d]] <= nf[d] and ready(b, None)):
+                    b = None
+            nf[d] += f is not None
+            nb[d] += b is not None
+            ran += [t for t in (f, b) if t is not None]
+        if not ran:
+            raise ScheduleError(f"{s.name}: the packed orders deadlock at tick {tick}")
+        for t in ran:
+            done[Pass(t.kind, t.stage, t.microbatch)] = tick
+            out.append(Tick(tick=tick, device=t.device, chunk=t.chunk, stage=t.stage,
+                            microbatch=t.microbatch, kind=t.kind))
+        tick += 1
+    return out
+
+
+# Times inside tick t, for slot lifetimes: the forward reads at 4t, the backward at 4t + 2, and
+# what the forward keeps and what arrives are written at 4t + 3, after the tick's passes (a
+# backward that needs its own tick's forward takes it directly, not from a slot).
+def _lifetimes(s: Schedule, table: list[Tick], residuals: bool, fused: set) -> tuple:
+    """Per rank: (written, last read, (stage, micro-batch)) of stage inputs, output cotangents
+    and residual sets."""
+    p, n_stages = s.p, s.p * s.v
+    at = {(t.kind, t.stage, t.microbatch): t.tick for t in table}
+    acts, grads, res = ([[] for _ in range(p)] for _ in range(3))
+    for t in table:
+        key = (t.stage, t.microbatch)
+        if t.kind == "F" and t.stage + 1 < n_stages:
+            k = t.stage + 1
+            read = (4 * at[("F", k, t.microbatch)] if residuals
+                    else 4 * at[("B", k, t.microbatch)] + 2)
+            acts[k % p].append((4 * t.tick + 3, read, (k, t.microbatch)))
+        if t.kind == "F" and residuals and key not in fused:
+            res[t.device].append((4 * t.tick + 3, 4 * at[("B", *key)] + 2, key))
+            if t.stage == n_stages - 1:  # the loss's cotangent, kept for this stage's B
+                grads[t.device].append((4 * t.tick + 3, 4 * at[("B", *key)] + 2, key))
+        if t.kind == "B" and t.stage > 0:
+            k = t.stage - 1
+            grads[k % p].append((4 * t.tick + 3, 4 * at[("B", k, t.microbatch)] + 2,
+                                 (k, t.microbatch)))
+    return acts, grads, res
+
+
+def _segments(rows: np.ndarray, work: dict) -> tuple[Segment, ...]:
+    """Runs of ticks with the same (any forward?, any backward?); each gets the branches its
+    ticks use, and a branch count different from every other segment's (padded with idle
+    branches) so that the census can weight each segment's switch by its own frequencies."""
+    ticks = len(rows)
+    flags = [(any(b.forward for b in work[t].values()), any(b.backward for b in work[t].values()))
+             for t in range(ticks)]
+    segs, start, counts = [], 0, set()
+    for t in range(1, ticks + 1):
+        if t < ticks and flags[t] == flags[start]:
+            continue
+        used = sorted({b for u in range(start, t) for b in work[u].values()}, key=str)
+        n = len(used)
+        while n + 1 in counts:
+            n += 1
+        counts.add(n + 1)
+        branches = tuple(used) + (Branch(None, None, False),) * (n - len(used))
+        for u in range(start, t):
+            for d, b in work[u].items():
+                rows[u, d, KIND] = 1 + branches.index(b)
+        segs.append(Segment(start, t, *flags[start], branches,
+                            any(b.forward and not b.forward.last for b in used),
+                            any(b.backward and not b.backward.first for b in used)))
+        start = t
+    return tuple(segs)
+
+
+def compile_schedule(schedule: Schedule, *, residuals: bool = True) -> Program:
+    """The per-rank program of ``schedule``: branch and buffer slots for every (tick, rank)."""
+    s = schedule
+    check_pipeline(s.name, s.p, s.m, s.v)
+    split = sorted({t.kind for t in s.table} - {"F", "B"})
+    if split:  # ZB-H1's weight-gradient passes: a table to simulate, not yet a runtime
+        raise ScheduleError(f"pipeline_schedule={s.name}: the runtime runs F and B passes only, "
+                            f"not {', '.join(split)} (a split backward); use gpipe, 1f1b or "
+                            f"interleaved")
+    p, n_stages = s.p, s.p * s.v
+    table = pack(s)
+    ticks = 1 + max(t.tick for t in table)
+    at = {(t.kind, t.stage, t.microbatch): t.tick for t in table}
+    fused = {(t.stage, t.microbatch) for t in table if t.kind == "F" and residuals
+             and at[("B", t.stage, t.microbatch)] == t.tick}
+    acts, grads, res = _lifetimes(s, table, residuals, fused)
+    (act_slot, n_act), (grad_slot, n_grad) = _colour(acts), _colour(grads)
+    res_slot, n_res = _colour(res) if residuals else ({}, 0)
+    rows = np.zeros((ticks, p, N_COLUMNS), np.int32)
+    for col, n in ((ACT_SLOT, n_act), (B_ACT_SLOT, n_act), (RECV_ACT, n_act), (GRAD_SLOT, n_grad),
+                   (RECV_GRAD, n_grad), (OWN_GRAD, n_grad), (RES_SLOT, n_res), (WRITE_RES, n_res)):
+        rows[:, :, col] = n  # the scratch slot
+    work: dict[int, dict[int, Branch]] = {t: {} for t in range(ticks)}
+    for t in table:
+        first, last = t.stage == 0, t.stage == n_stages - 1
+        key = (t.stage, t.microbatch)
+        row = rows[t.tick, t.device]
+        fwd, bwd, fuse = work[t.tick].get(t.device, Branch(None, None, False))
+        if t.kind == "F":
+            fwd = Step("F", first, last)
+            row[F_CHUNK], row[F_MB] = t.chunk, t.microbatch
+            if not first:
+                row[ACT_SLOT] = act_slot[key]
+            if residuals and key not in fused:
+                row[WRITE_RES] = res_slot[key]
+                if last:
+                    row[OWN_GRAD] = grad_slot[key]
+            if not last:  # arrives at the next rank at the end of this tick
+                rows[t.tick, (t.stage + 1) % p, RECV_ACT] = act_slot[(t.stage + 1, t.microbatch)]
+        else:
+            bwd = Step("B", first, last and not residuals)  # stored: the loss ran in F
+            fuse = key in fused
+            row[B_CHUNK], row[B_MB] = t.chunk, t.microbatch
+            if not first and not residuals:
+                row[B_ACT_SLOT] = act_slot[key]
+            if not fuse and (not last or residuals):
+                row[GRAD_SLOT] = grad_slot[key]
+            if residuals and not fuse:
+                row[RES_SLOT] = res_slot[key]
+            if not first:
+                rows[t.tick, (t.stage - 1) % p, RECV_GRAD] = grad_slot[(t.stage - 1, t.microbatch)]
+        work[t.tick][t.device] = Branch(fwd, bwd, fuse)
+    segments = _segments(rows, work)
+    return Program(schedule=s, rows=rows, segments=segments, residuals=residuals,
+                   act_slots=n_act, grad_slots=n_grad, res_slots=n_res)
