@@ -10,6 +10,8 @@ Typical use (tests, notebooks)::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,3 +169,18 @@ def packed_batch(cfg: Config, seed: int = 0, *, max_doc: int | None = None,
     return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
             "segment_ids": seg[:, :-1], "positions": pos[:, :-1],
             "loss_mask": mask.astype(np.int32)}
+
+
+def kill_when_saved(cmd: list[str], env: dict, checkpoint: Path, timeout: float = 240) -> None:
+    """Start ``cmd`` (a ``jaxtp train``), wait until ``checkpoint`` (a step directory) exists,
+    then SIGKILL it: a preemption with no warning, mid-run."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while not checkpoint.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)

@@ -4,10 +4,8 @@ resume after kill -9 with a mixture, process-sharded rows, and one-line errors f
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 from jaxtp import cli, config, corpus, data
 from jaxtp.config import ConfigError, DataConfig
 from jaxtp.prepare import prepare
+from jaxtp.testing import kill_when_saved
 
 DOCS = [f"document {i}: " + "abcdefghij"[i % 10] * (3 + 7 * i % 41) for i in range(60)]
 
@@ -277,15 +276,7 @@ def test_exact_resume_after_kill_9_with_a_mixture(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     full, killed = tmp_path / "full", tmp_path / "killed"
     subprocess.run(_cmd(full, *steps), env=env, check=True, capture_output=True, timeout=300)
-    proc = subprocess.Popen(_cmd(killed, *steps), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (killed / "checkpoints" / "20").exists() and time.time() < deadline:
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill_when_saved(_cmd(killed, *steps), env, killed / "checkpoints" / "20")
     r = subprocess.run(_cmd(killed, *steps), env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr

@@ -2,16 +2,15 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxtp import config, train
+from jaxtp.testing import kill_when_saved
 
 COMMON = ["train.log_every=5", "train.eval_every=1000", "train.eval_batches=1"]
 
@@ -44,15 +43,7 @@ def test_exact_resume_after_kill_9(tmp_path):
     steps = ["train.steps=40", "train.checkpoint_every=10"]
     full, killed = tmp_path / "full", tmp_path / "killed"
     subprocess.run(_cmd(full, *steps), env=_env(), check=True, capture_output=True, timeout=300)
-    proc = subprocess.Popen(_cmd(killed, *steps), env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not (killed / "checkpoints" / "20").exists() and time.time() < deadline:
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    kill_when_saved(_cmd(killed, *steps), _env(), killed / "checkpoints" / "20")
     r = subprocess.run(_cmd(killed, *steps), env=_env(), capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
