@@ -18,8 +18,11 @@ By default a ``F`` keeps its stage's VJP residuals (:mod:`jaxtp.stage_residuals`
 remat policy saves) for its ``B``, which then runs the backward only; with ``residuals=False`` it
 keeps only the stage input and ``B`` recomputes the stage (GPipe sec. 2.3). Residual buffers enter
 the tick's ``lax.switch`` read-only and are written after it (a buffer passed through a branch is
-copied whole by XLA). Optionally the pipeline owns the embedding (``embed_fn`` on stage 0) and the
-loss head (``head_params`` of ``loss_fn`` on the last stage), whose gradients are summed over
+copied whole by XLA). Under ZB-H1 (``zb1``) the backward is two passes (:mod:`jaxtp.weight_grad`):
+``B`` computes the input cotangent and keeps what the weight gradient needs (each linear's input
+and output cotangent) in a buffer until the micro-batch's ``W``, which the schedule places in the
+ticks where the rank would otherwise wait. Optionally the pipeline owns the embedding
+(``embed_fn`` on stage 0) and the loss head (``head_params`` of ``loss_fn`` on the last stage), whose gradients are summed over
 ``pipeline`` once per step, so a whole language model runs with only its blocks split into stages.
 """
 
@@ -32,11 +35,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxtp import pipeline_program as col  # the columns of Program.rows
+from jaxtp import weight_grad
 from jaxtp.axes import PIPELINE
 from jaxtp.layer_order import ranks_to_stages, stages_to_ranks  # noqa: F401  (public here too)
 from jaxtp.pipeline_program import Branch, Program, Segment, Step, compile_schedule  # noqa: F401
 from jaxtp.schedules import Schedule, ScheduleError, check_pipeline  # noqa: F401
-from jaxtp.stage_residuals import join_vjp, split_vjp
+from jaxtp.stage_residuals import join_vjp, split_vjp, vjp_leaves
 from jaxtp.stage_transfer import sender
 
 
@@ -146,6 +150,16 @@ def _add_chunk(grads, c, d):
         g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x, c, 0), grads, d)
 
 
+def _add_chunk_leaves(grads, c, d: list):
+    """``grads[c] += d`` for the leaves of ``grads`` whose entry in the flat list ``d`` is not
+    ``None`` (a split backward's ``B`` or ``W`` part)."""
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    return jax.tree_util.tree_unflatten(treedef, [
+        g if x is None else jax.lax.dynamic_update_index_in_dim(
+            g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x.astype(g.dtype), c, 0)
+        for g, x in zip(leaves, d)])
+
+
 def _index(tree, i):
     """Micro-batch ``i`` (traced) of every leaf of ``tree``."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
@@ -181,6 +195,9 @@ class _Operands(NamedTuple):
     g: Any
     res: list
     res_slot: Any
+    wc: Any = None          # the weight-gradient pass's chunk, its input buffers and slot
+    wres: Any = None
+    wres_slot: Any = None
 
 
 class _Run:
@@ -214,12 +231,14 @@ class _Run:
         carry = (_zeros((prog.act_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
                  _zeros((prog.grad_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
                  [_zeros((prog.res_slots + 1, *a.shape), a.dtype, a.vma) for a in self.res_types],
+                 [_zeros((prog.wres_slots + 1, *a.shape), a.dtype, a.vma)
+                  for a in self.wres_types],
                  (_zeros_like(self.params), _zeros_like(self.eparams),
                   _zeros_like(self.hparams)), self.zero_loss)
         self.send = sender(self.axis, send_split)
         for seg in prog.segments:
             carry, _ = jax.lax.scan(self._tick_of(seg), carry, rows[seg.start:seg.stop])
-        _, _, _, (grads, egrads, hgrads), loss = carry
+        _, _, _, _, (grads, egrads, hgrads), loss = carry
         total = (lambda t: None if t is None
                  else jax.tree.map(lambda a: jax.lax.psum(a, self.axis), t))
         return jax.lax.psum(loss, self.axis), PipelineGrads(grads, total(egrads), total(hgrads))
@@ -233,9 +252,23 @@ class _Run:
         self.act_vma = self.batch_vma | varying_axes(x0)
         pc0 = jax.tree.map(lambda a: a[0], self.params)
         side0 = _index(self.side, 0)
-        y0, vjp0 = jax.vjp(lambda pc, x: self._stage(pc, x, side0), pc0,
-                           vary_over(x0, self.act_vma))
+        with weight_grad.splitting(self.prog.split):
+            y0, vjp0 = jax.vjp(lambda pc, x: self._stage(pc, x, side0), pc0,
+                               vary_over(x0, self.act_vma))
         self.recipe, stored = split_vjp(vjp0, pc0)
+        self.wres_types, self.markers = [], []
+        if self.prog.split:
+            leaves0, vjp_def = jax.tree_util.tree_flatten(vjp0)
+            # traced with the varying axes the leaves have inside a tick (`pipeline` included)
+            leaves0 = [vary_over(a, varying_axes(a) | self.batch_vma) for a in leaves0]
+            self.bw = weight_grad.split(
+                lambda lv, g: jax.tree.leaves(jax.tree_util.tree_unflatten(vjp_def, lv)(g)),
+                leaves0, vary_over(jnp.zeros_like(y0), self.act_vma), cast=vary_over)
+            if self.bw.out_unknown[-1]:
+                raise ValueError("zb1: the stage's input cotangent depends on a weight-gradient "
+                                 "pass; the B / W split found no input-gradient part")
+            self.wres_types = [_Type(a.shape, a.dtype, weight_grad.varying(a) | self.batch_vma) for a in self.bw.residuals]
+            self.markers = [leaves0[i] for i in self.bw.markers]
         # varying over `pipeline` too: a branch of the tick's switch (whose index does) makes them
         self.res_types = ([_Type(a.shape, a.dtype, varying_axes(a) | self.batch_vma)
                            for a in stored] if self.prog.residuals else [])
@@ -268,18 +301,23 @@ class _Run:
         """``(operands, grads) -> (y to send on, dx to send back, loss, grads[, residuals to
         store, the loss's own output cotangent])``: the branch's forward, then its backward (the
         bracketed outputs only in a segment with forwards, when residuals are stored)."""
-        fwd, bwd, fused = branch
+        fwd, bwd, fused, wgt, wfused = branch
         keeps = seg.forward and self.prog.residuals
+        passes_w = seg.backward and self.prog.split  # B's outputs for W go to the buffer
 
         def run(ops: _Operands, acc):
-            y, dx, loss, kept, own = (self.nothing, self.nothing, self.zero_loss, None,
-                                      self.nothing)
+            y, dx, loss, kept, own, wres = (self.nothing, self.nothing, self.zero_loss, None,
+                                            self.nothing, None)
             if fwd is not None:
                 y, loss, acc, kept, own = self._forward(fwd, ops, acc)
             if bwd is not None:
-                dx, acc = self._backward(bwd, ops, acc, (kept, own) if fused else None)
+                dx, acc, wres = self._backward(bwd, ops, acc, (kept, own) if fused else None)
+            if wgt is not None:
+                acc = self._weight(ops, acc, wres if wfused else None)
             kept = self._no_res() if kept is None else kept
-            return (y, dx, loss, acc) + ((kept, own) if keeps else ())
+            wres = self._no_wres() if wres is None else wres
+            return ((y, dx, loss, acc) + ((kept, own) if keeps else ())
+                    + ((wres,) if passes_w else ()))
         return run
 
     def _forward(self, step: Step, ops: _Operands, acc):
@@ -294,7 +332,8 @@ class _Run:
                 return self.nothing, vary_over(loss.astype(jnp.float32), self.loss_vma), acc, \
                     None, self.nothing
             return vary_over(y, self.act_vma), self.zero_loss, acc, None, self.nothing
-        y, vjp = jax.vjp(lambda pc, x: self._stage(pc, x, raw[1]), pc, x)
+        with weight_grad.splitting(self.prog.split):
+            y, vjp = jax.vjp(lambda pc, x: self._stage(pc, x, raw[1]), pc, x)
         kept = [vary_over(a, t.vma) for a, t in zip(split_vjp(vjp, pc)[1], self.res_types)]
         if not step.last:
             return vary_over(y, self.act_vma), self.zero_loss, acc, kept, self.nothing
@@ -311,10 +350,17 @@ class _Run:
         forward just run, and its loss cotangent), or recomputing its forward first."""
         sg, eg, hg = acc
         pc, raw = self._chunk(ops.bc), ops.raw_b
+        wres = None
         if self.prog.residuals:
             kept, g = direct if direct is not None else (
                 [_read(b, ops.res_slot) for b in ops.res], ops.g)
-            dpc, dx = join_vjp(self.recipe, pc, kept)(g)
+            if self.prog.split:  # B: the input cotangent; keep what W needs
+                outs, wres = weight_grad.run_known(self.bw, vjp_leaves(self.recipe, pc, kept), g)
+                dpc, dx = None, outs[-1]
+                sg = _add_chunk_leaves(sg, ops.bc, outs[:-1])
+                wres = [vary_over(a, t.vma) for a, t in zip(wres, self.wres_types)]
+            else:
+                dpc, dx = join_vjp(self.recipe, pc, kept)(g)
             if step.first and eg is not None:  # the embedding's backward (a scatter-add)
                 eg = _add(eg, jax.vjp(lambda ep: self._embed(ep, raw[0]), self.eparams)[1](dx)[0])
         else:
@@ -325,9 +371,20 @@ class _Run:
             dpc, dep, dhp, dx = vjp(jnp.ones_like(out) if step.last else ops.g)
             eg = _add(eg, dep) if step.first and eg is not None else eg
             hg = _add(hg, dhp) if step.last and hg is not None else hg
-        sg = _add_chunk(sg, ops.bc, dpc)
+        sg = sg if dpc is None else _add_chunk(sg, ops.bc, dpc)
         dx = self.nothing if step.first else vary_over(dx, self.act_vma)
-        return dx, (sg, eg, hg)
+        return dx, (sg, eg, hg), wres
+
+    def _weight(self, ops: _Operands, acc, direct):
+        """``W``: the stage's weight gradients from what its ``B`` kept (``direct``: the ``B``
+        of this tick's)."""
+        sg, eg, hg = acc
+        wres = direct if direct is not None else [_read(b, ops.wres_slot) for b in ops.wres]
+        outs = weight_grad.run_unknown(self.bw, wres, self.markers)
+        return _add_chunk_leaves(sg, ops.wc, outs[:-1]), eg, hg
+
+    def _no_wres(self):
+        return [_zeros(t.shape, t.dtype, t.vma) for t in self.wres_types]
 
     def _tick_of(self, seg: Segment):
         """The scan body of ``seg``: run this rank's branch of the tick, then send the forward
@@ -335,9 +392,10 @@ class _Run:
         arrives, and what the forward keeps, in their slots."""
         p, keeps = self.s.p, seg.forward and self.prog.residuals
         branches = [self._branch(b, seg) for b in ((Branch(None, None, False),) + seg.branches)]
+        passes_w = seg.backward and self.prog.split
 
         def tick(carry, row):
-            acts, cots, res, acc, loss = carry                       # acts: [A + 1, b, s, h]
+            acts, cots, res, wres, acc, loss = carry                 # acts: [A + 1, b, s, h]
             f_mb, b_mb = row[col.F_MB], row[col.B_MB]
             ops = _Operands(
                 fc=row[col.F_CHUNK], bc=row[col.B_CHUNK],
@@ -349,7 +407,8 @@ class _Run:
                 xb=(_read(acts, row[col.B_ACT_SLOT]) if seg.backward and not self.prog.residuals
                     else self.nothing),
                 g=_read(cots, row[col.GRAD_SLOT]) if seg.backward else self.nothing,
-                res=res, res_slot=row[col.RES_SLOT])
+                res=res, res_slot=row[col.RES_SLOT], wc=row[col.W_CHUNK],
+                wres=wres if seg.weight else None, wres_slot=row[col.WRES_SLOT])
             out = jax.lax.switch(row[col.KIND], branches, ops, acc)
             y, dx, dloss, acc = out[:4]
             n_pairs = p if self.prog.cyclic else p - 1
@@ -360,8 +419,10 @@ class _Run:
                 dx = self.send(dx, [((r + 1) % p, r) for r in range(n_pairs)])  # r -> r - 1
                 cots = _write(cots, row[col.RECV_GRAD], dx)
             if keeps:
-                kept, own = out[4:]
+                kept, own = out[4:6]
                 cots = _write(cots, row[col.OWN_GRAD], own)
                 res = [_write(b, row[col.WRITE_RES], a) for b, a in zip(res, kept)]
-            return (acts, cots, res, acc, loss + dloss), None
+            if passes_w:
+                wres = [_write(b, row[col.WRITE_WRES], a) for b, a in zip(wres, out[-1])]
+            return (acts, cots, res, wres, acc, loss + dloss), None
         return tick
