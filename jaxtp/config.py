@@ -125,9 +125,8 @@ class ParallelConfig:
     zero_stage: int = 0
     remat: Remat = "none"
     # Pipeline parallelism over `pipeline` (train.microbatches micro-batches per step): the order
-    # of forward and backward passes (jaxtp/schedules.py; "zb1" is ZB-H1, the backward split into
-    # input- and weight-gradient passes), and for "interleaved" the number of model chunks
-    # (virtual stages) per pipeline rank.
+    # of passes (jaxtp/schedules.py; "zb1": ZB-H1, backward split into input and weight gradient
+    # passes), and for "interleaved" the number of model chunks (virtual stages) per rank.
     pipeline_schedule: PipelineSchedule = "1f1b"
     virtual_stages: int = 1
 

@@ -22,8 +22,9 @@ copied whole by XLA). Under ZB-H1 (``zb1``) the backward is two passes (:mod:`ja
 ``B`` computes the input cotangent and keeps what the weight gradient needs (each linear's input
 and output cotangent) in a buffer until the micro-batch's ``W``, which the schedule places in the
 ticks where the rank would otherwise wait. Optionally the pipeline owns the embedding
-(``embed_fn`` on stage 0) and the loss head (``head_params`` of ``loss_fn`` on the last stage), whose gradients are summed over
-``pipeline`` once per step, so a whole language model runs with only its blocks split into stages.
+(``embed_fn`` on stage 0) and the loss head (``head_params`` of ``loss_fn`` on the last
+stage), whose gradients are summed over ``pipeline`` once per step, so a whole language model
+runs with only its blocks split into stages.
 """
 
 from __future__ import annotations
@@ -38,21 +39,22 @@ from jaxtp import pipeline_program as col  # the columns of Program.rows
 from jaxtp import weight_grad
 from jaxtp.axes import PIPELINE
 from jaxtp.layer_order import ranks_to_stages, stages_to_ranks  # noqa: F401  (public here too)
+from jaxtp.pipeline_buffers import (  # noqa: F401  (varying_axes, vary_over: public here too)
+    _add,
+    _add_chunk,
+    _add_chunk_leaves,
+    _index,
+    _read,
+    _write,
+    _zeros,
+    _zeros_like,
+    vary_over,
+    varying_axes,
+)
 from jaxtp.pipeline_program import Branch, Program, Segment, Step, compile_schedule  # noqa: F401
 from jaxtp.schedules import Schedule, ScheduleError, check_pipeline  # noqa: F401
 from jaxtp.stage_residuals import join_vjp, split_vjp, vjp_leaves
 from jaxtp.stage_transfer import sender
-
-
-def varying_axes(x) -> frozenset[str]:
-    """The manual mesh axes over which ``x`` varies (its type's ``vma``)."""
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
-def vary_over(x, axes):
-    """``pcast`` to varying over those of ``axes`` that ``x`` does not already vary over."""
-    missing = tuple(a for a in sorted(axes) if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 class PipelineGrads(NamedTuple):
@@ -130,47 +132,6 @@ def _check_inputs(s: Schedule, microbatches, stage_params, *, axis: str, embed_f
     if bad:
         raise ScheduleError(f"stage_params leaves must have a leading chunk dim v={s.v} per rank; "
                             f"got shapes {bad[:3]} (lay them out with stages_to_ranks)")
-
-
-def _zeros(shape, dtype, vma):
-    return vary_over(jnp.zeros(shape, dtype), vma)
-
-
-def _zeros_like(tree):
-    return jax.tree.map(lambda a: _zeros(a.shape, a.dtype, varying_axes(a)), tree)
-
-
-def _add(acc, d):
-    return jax.tree.map(jnp.add, acc, d)
-
-
-def _add_chunk(grads, c, d):
-    """``grads[c] += d`` on every leaf (``c`` traced)."""
-    return jax.tree.map(lambda g, x: jax.lax.dynamic_update_index_in_dim(
-        g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x, c, 0), grads, d)
-
-
-def _add_chunk_leaves(grads, c, d: list):
-    """``grads[c] += d`` for the leaves of ``grads`` whose entry in the flat list ``d`` is not
-    ``None`` (a split backward's ``B`` or ``W`` part)."""
-    leaves, treedef = jax.tree_util.tree_flatten(grads)
-    return jax.tree_util.tree_unflatten(treedef, [
-        g if x is None else jax.lax.dynamic_update_index_in_dim(
-            g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x.astype(g.dtype), c, 0)
-        for g, x in zip(leaves, d)])
-
-
-def _index(tree, i):
-    """Micro-batch ``i`` (traced) of every leaf of ``tree``."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
-
-
-def _read(buf, slot):
-    return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
-
-
-def _write(buf, slot, value):  # unused writes go to the buffer's last (scratch) slot
-    return jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
 
 
 class _Type(NamedTuple):
@@ -267,7 +228,8 @@ class _Run:
             if self.bw.out_unknown[-1]:
                 raise ValueError("zb1: the stage's input cotangent depends on a weight-gradient "
                                  "pass; the B / W split found no input-gradient part")
-            self.wres_types = [_Type(a.shape, a.dtype, weight_grad.varying(a) | self.batch_vma) for a in self.bw.residuals]
+            self.wres_types = [_Type(a.shape, a.dtype, weight_grad.varying(a) | self.batch_vma)
+                               for a in self.bw.residuals]
             self.markers = [leaves0[i] for i in self.bw.markers]
         # varying over `pipeline` too: a branch of the tick's switch (whose index does) makes them
         self.res_types = ([_Type(a.shape, a.dtype, varying_axes(a) | self.batch_vma)
