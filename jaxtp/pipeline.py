@@ -40,16 +40,16 @@ from jaxtp import weight_grad
 from jaxtp.axes import PIPELINE
 from jaxtp.layer_order import ranks_to_stages, stages_to_ranks  # noqa: F401  (public here too)
 from jaxtp.pipeline_buffers import (  # noqa: F401  (varying_axes, vary_over: public here too)
-    _add,
-    _add_chunk,
-    _add_chunk_leaves,
-    _index,
-    _read,
-    _write,
-    _zeros,
-    _zeros_like,
+    add,
+    add_chunk,
+    add_chunk_leaves,
+    index,
+    read,
     vary_over,
     varying_axes,
+    write,
+    zeros,
+    zeros_like,
 )
 from jaxtp.pipeline_program import Branch, Program, Segment, Step, compile_schedule  # noqa: F401
 from jaxtp.schedules import Schedule, ScheduleError, check_pipeline  # noqa: F401
@@ -189,13 +189,13 @@ class _Run:
         rank = jax.lax.axis_index(self.axis)
         rows = jnp.take(jnp.asarray(self.prog.rows), rank, axis=1)  # [ticks, columns]: this rank's
         prog = self.prog
-        carry = (_zeros((prog.act_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
-                 _zeros((prog.grad_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
-                 [_zeros((prog.res_slots + 1, *a.shape), a.dtype, a.vma) for a in self.res_types],
-                 [_zeros((prog.wres_slots + 1, *a.shape), a.dtype, a.vma)
+        carry = (zeros((prog.act_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
+                 zeros((prog.grad_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
+                 [zeros((prog.res_slots + 1, *a.shape), a.dtype, a.vma) for a in self.res_types],
+                 [zeros((prog.wres_slots + 1, *a.shape), a.dtype, a.vma)
                   for a in self.wres_types],
-                 (_zeros_like(self.params), _zeros_like(self.eparams),
-                  _zeros_like(self.hparams)), self.zero_loss)
+                 (zeros_like(self.params), zeros_like(self.eparams),
+                  zeros_like(self.hparams)), self.zero_loss)
         self.send = sender(self.axis, send_split)
         for seg in prog.segments:
             carry, _ = jax.lax.scan(self._tick_of(seg), carry, rows[seg.start:seg.stop])
@@ -208,11 +208,11 @@ class _Run:
         """What a stage input, the loss and the stage's stored VJP residuals look like, their
         varying axes included (e.g. `model` when the stream is sequence-sharded, the replica axes
         of the parameters): traced once for the types; the values are dead code."""
-        x0 = self._embed(self.eparams, _index(self.inputs, 0))
+        x0 = self._embed(self.eparams, index(self.inputs, 0))
         self.x_shape, self.x_dtype = x0.shape, x0.dtype
         self.act_vma = self.batch_vma | varying_axes(x0)
         pc0 = jax.tree.map(lambda a: a[0], self.params)
-        side0 = _index(self.side, 0)
+        side0 = index(self.side, 0)
         with weight_grad.splitting(self.prog.split):
             y0, vjp0 = jax.vjp(lambda pc, x: self._stage(pc, x, side0), pc0,
                                vary_over(x0, self.act_vma))
@@ -234,13 +234,13 @@ class _Run:
         # varying over `pipeline` too: a branch of the tick's switch (whose index does) makes them
         self.res_types = ([_Type(a.shape, a.dtype, varying_axes(a) | self.batch_vma)
                            for a in stored] if self.prog.residuals else [])
-        l0 = self._loss(self.hparams, y0, _index(self.targets, 0))
+        l0 = self._loss(self.hparams, y0, index(self.targets, 0))
         self.loss_vma = self.batch_vma | varying_axes(l0)
-        self.nothing = _zeros(self.x_shape, self.x_dtype, self.act_vma)
-        self.zero_loss = _zeros((), jnp.float32, self.loss_vma)
+        self.nothing = zeros(self.x_shape, self.x_dtype, self.act_vma)
+        self.zero_loss = zeros((), jnp.float32, self.loss_vma)
 
     def _no_res(self):
-        return [_zeros(t.shape, t.dtype, t.vma) for t in self.res_types]
+        return [zeros(t.shape, t.dtype, t.vma) for t in self.res_types]
 
     def _embed(self, ep, raw):
         return raw if self.embed_fn is None else self.embed_fn(ep, raw)
@@ -303,7 +303,7 @@ class _Run:
             lambda hp, y: self._loss(hp, y, ops.tgt_f) * (1.0 / self.s.m), self.hparams, y)
         dhp, dy = head_vjp(jnp.ones_like(loss))
         sg, eg, hg = acc
-        hg = _add(hg, dhp) if hg is not None else hg
+        hg = add(hg, dhp) if hg is not None else hg
         loss = vary_over(loss.astype(jnp.float32), self.loss_vma)
         return self.nothing, loss, (sg, eg, hg), kept, vary_over(dy, self.act_vma)
 
@@ -315,25 +315,25 @@ class _Run:
         wres = None
         if self.prog.residuals:
             kept, g = direct if direct is not None else (
-                [_read(b, ops.res_slot) for b in ops.res], ops.g)
+                [read(b, ops.res_slot) for b in ops.res], ops.g)
             if self.prog.split:  # B: the input cotangent; keep what W needs
                 outs, wres = weight_grad.run_known(self.bw, vjp_leaves(self.recipe, pc, kept), g)
                 dpc, dx = None, outs[-1]
-                sg = _add_chunk_leaves(sg, ops.bc, outs[:-1])
+                sg = add_chunk_leaves(sg, ops.bc, outs[:-1])
                 wres = [vary_over(a, t.vma) for a, t in zip(wres, self.wres_types)]
             else:
                 dpc, dx = join_vjp(self.recipe, pc, kept)(g)
             if step.first and eg is not None:  # the embedding's backward (a scatter-add)
-                eg = _add(eg, jax.vjp(lambda ep: self._embed(ep, raw[0]), self.eparams)[1](dx)[0])
+                eg = add(eg, jax.vjp(lambda ep: self._embed(ep, raw[0]), self.eparams)[1](dx)[0])
         else:
             def run(pc, ep, hp, x):
                 y = self._stage(pc, self._embed(ep, raw[0]) if step.first else x, raw[1])
                 return self._loss(hp, y, ops.tgt_b) * (1.0 / self.s.m) if step.last else y
             out, vjp = jax.vjp(run, pc, self.eparams, self.hparams, ops.xb)
             dpc, dep, dhp, dx = vjp(jnp.ones_like(out) if step.last else ops.g)
-            eg = _add(eg, dep) if step.first and eg is not None else eg
-            hg = _add(hg, dhp) if step.last and hg is not None else hg
-        sg = sg if dpc is None else _add_chunk(sg, ops.bc, dpc)
+            eg = add(eg, dep) if step.first and eg is not None else eg
+            hg = add(hg, dhp) if step.last and hg is not None else hg
+        sg = sg if dpc is None else add_chunk(sg, ops.bc, dpc)
         dx = self.nothing if step.first else vary_over(dx, self.act_vma)
         return dx, (sg, eg, hg), wres
 
@@ -341,12 +341,12 @@ class _Run:
         """``W``: the stage's weight gradients from what its ``B`` kept (``direct``: the ``B``
         of this tick's)."""
         sg, eg, hg = acc
-        wres = direct if direct is not None else [_read(b, ops.wres_slot) for b in ops.wres]
+        wres = direct if direct is not None else [read(b, ops.wres_slot) for b in ops.wres]
         outs = weight_grad.run_unknown(self.bw, wres, self.markers)
-        return _add_chunk_leaves(sg, ops.wc, outs[:-1]), eg, hg
+        return add_chunk_leaves(sg, ops.wc, outs[:-1]), eg, hg
 
     def _no_wres(self):
-        return [_zeros(t.shape, t.dtype, t.vma) for t in self.wres_types]
+        return [zeros(t.shape, t.dtype, t.vma) for t in self.wres_types]
 
     def _tick_of(self, seg: Segment):
         """The scan body of ``seg``: run this rank's branch of the tick, then send the forward
@@ -361,14 +361,14 @@ class _Run:
             f_mb, b_mb = row[col.F_MB], row[col.B_MB]
             ops = _Operands(
                 fc=row[col.F_CHUNK], bc=row[col.B_CHUNK],
-                raw_f=(_index(self.inputs, f_mb), _index(self.side, f_mb)),
-                tgt_f=_index(self.targets, f_mb),
-                raw_b=(_index(self.inputs, b_mb), _index(self.side, b_mb)),
-                tgt_b=_index(self.targets, b_mb),
-                x=_read(acts, row[col.ACT_SLOT]) if seg.forward else self.nothing,
-                xb=(_read(acts, row[col.B_ACT_SLOT]) if seg.backward and not self.prog.residuals
+                raw_f=(index(self.inputs, f_mb), index(self.side, f_mb)),
+                tgt_f=index(self.targets, f_mb),
+                raw_b=(index(self.inputs, b_mb), index(self.side, b_mb)),
+                tgt_b=index(self.targets, b_mb),
+                x=read(acts, row[col.ACT_SLOT]) if seg.forward else self.nothing,
+                xb=(read(acts, row[col.B_ACT_SLOT]) if seg.backward and not self.prog.residuals
                     else self.nothing),
-                g=_read(cots, row[col.GRAD_SLOT]) if seg.backward else self.nothing,
+                g=read(cots, row[col.GRAD_SLOT]) if seg.backward else self.nothing,
                 res=res, res_slot=row[col.RES_SLOT], wc=row[col.W_CHUNK],
                 wres=wres if seg.weight else None, wres_slot=row[col.WRES_SLOT])
             out = jax.lax.switch(row[col.KIND], branches, ops, acc)
@@ -376,15 +376,15 @@ class _Run:
             n_pairs = p if self.prog.cyclic else p - 1
             if p > 1 and seg.sends_forward:
                 y = self.send(y, [(r, (r + 1) % p) for r in range(n_pairs)])   # r -> r + 1
-                acts = _write(acts, row[col.RECV_ACT], y)
+                acts = write(acts, row[col.RECV_ACT], y)
             if p > 1 and seg.sends_backward:
                 dx = self.send(dx, [((r + 1) % p, r) for r in range(n_pairs)])  # r -> r - 1
-                cots = _write(cots, row[col.RECV_GRAD], dx)
+                cots = write(cots, row[col.RECV_GRAD], dx)
             if keeps:
                 kept, own = out[4:6]
-                cots = _write(cots, row[col.OWN_GRAD], own)
-                res = [_write(b, row[col.WRITE_RES], a) for b, a in zip(res, kept)]
+                cots = write(cots, row[col.OWN_GRAD], own)
+                res = [write(b, row[col.WRITE_RES], a) for b, a in zip(res, kept)]
             if passes_w:
-                wres = [_write(b, row[col.WRITE_WRES], a) for b, a in zip(wres, out[-1])]
+                wres = [write(b, row[col.WRITE_WRES], a) for b, a in zip(wres, out[-1])]
             return (acts, cots, res, wres, acc, loss + dloss), None
         return tick

@@ -18,25 +18,25 @@ def vary_over(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _zeros(shape, dtype, vma):
+def zeros(shape, dtype, vma):
     return vary_over(jnp.zeros(shape, dtype), vma)
 
 
-def _zeros_like(tree):
-    return jax.tree.map(lambda a: _zeros(a.shape, a.dtype, varying_axes(a)), tree)
+def zeros_like(tree):
+    return jax.tree.map(lambda a: zeros(a.shape, a.dtype, varying_axes(a)), tree)
 
 
-def _add(acc, d):
+def add(acc, d):
     return jax.tree.map(jnp.add, acc, d)
 
 
-def _add_chunk(grads, c, d):
+def add_chunk(grads, c, d):
     """``grads[c] += d`` on every leaf (``c`` traced)."""
     return jax.tree.map(lambda g, x: jax.lax.dynamic_update_index_in_dim(
         g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x, c, 0), grads, d)
 
 
-def _add_chunk_leaves(grads, c, d: list):
+def add_chunk_leaves(grads, c, d: list):
     """``grads[c] += d`` for the leaves of ``grads`` whose entry in the flat list ``d`` is not
     ``None`` (a split backward's ``B`` or ``W`` part)."""
     leaves, treedef = jax.tree_util.tree_flatten(grads)
@@ -46,14 +46,14 @@ def _add_chunk_leaves(grads, c, d: list):
         for g, x in zip(leaves, d)])
 
 
-def _index(tree, i):
+def index(tree, i):
     """Micro-batch ``i`` (traced) of every leaf of ``tree``."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
 
-def _read(buf, slot):
+def read(buf, slot):
     return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
 
 
-def _write(buf, slot, value):  # unused writes go to the buffer's last (scratch) slot
+def write(buf, slot, value):  # unused writes go to the buffer's last (scratch) slot
     return jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
