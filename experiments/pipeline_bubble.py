@@ -1,4 +1,4 @@
-"""Pipeline bubble, stored activations, FLOPs and step time: GPipe, 1F1B and interleaved 1F1B.
+"""Pipeline bubble, stored activations, FLOPs and step time: GPipe, 1F1B, interleaved 1F1B, ZB-H1.
 
 Measured beside the formulas on the simulated 8-device CPU mesh (``p`` pipeline ranks x ``8 / p``
 data replicas), the ``tiny`` model with ``n_layers = 16`` (``--quick``: 4), ``seq_len = 32`` and a
@@ -7,20 +7,21 @@ that more micro-batches means more work per step, as in the papers:
 
 1. The bubble of the schedule tables (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2019;
    interleaved, Narayanan et al. 2021): ``(p - 1) / (v m + p - 1)`` of the device-ticks when
-   every pass is one tick (``Schedule.bubble_fraction``).
+   every pass is one tick (``Schedule.bubble_fraction``); ZB-H1 (Qi et al. 2023), whose
+   backward is two passes (B: input gradient, W: weight gradient), ``(p - 1) / (3 m + p - 1)``.
 2. The runtime's program (:mod:`jaxtp.pipeline_program`): the tables packed into ticks of at most
    one F and one B per rank (*packed ticks*), each tick lasting its busiest rank's work; its
    lock-step time with a backward of 2 forwards (the backward reads the forward's stored VJP
    residuals; GPipe's recomputes its stage, B = 3 F) against GPipe's at the same p and m; what
    a rank holds for its backwards (``Program.stash_slots``: GPipe ``m`` stage inputs, 1F1B
-   ``min(2p - 2, m)`` residual sets).
+   ``min(2p - 2, m)`` residual sets; ZB-H1 the same, plus ``p - 1`` sets of W inputs).
 3. The compiled step (``loss_and_grad``): matmul FLOPs per step over all ranks (each pipeline
    rank's own branch frequencies) against the unpipelined step's (``data = 8``, same batch),
    peak temporaries per device (``memory_analysis``), and the step time (median of a few runs
    after a warm-up). On this machine the 8 simulated devices share the host's cores, so the
    step time measures total work plus per-tick overhead, not a pipeline's wall-clock bubble.
 
-Combinations a schedule cannot run are skipped and listed (1F1B and interleaved need
+Combinations a schedule cannot run are skipped and listed (1F1B, interleaved and ZB-H1 need
 ``m >= p``, interleaved ``m % p == 0``). Exits non-zero unless the executed bubble equals the
 formula for every row, 1F1B's temporaries are flat (at most 1.1x) over the m >= 2p - 2 at which
 its slots stop growing, and GPipe's grow by at least its extra slots of stage inputs.
@@ -50,7 +51,7 @@ import jax  # noqa: E402
 from jaxtp import (  # noqa: E402
     config, engine, hlo, pipeline, pipeline_program, pipelined_step, schedules, testing)
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1))
 N_DEVICES = 8
 B, S = 2, 32      # fixed micro-batch: sequences per data replica, sequence length
 FLAT_TOL = 1.10   # 1F1B temporaries, largest m over smallest m
@@ -78,11 +79,13 @@ def schedule_row(name: str, p: int, m: int, v: int) -> dict:
     prog = pipeline.compile_schedule(s, residuals=pipeline_program.stores_residuals(name, "none"))
     gpipe = pipeline.compile_schedule(schedules.build("gpipe", p, m), residuals=False)
     return dict(schedule=name, p=p, m=m, v=v, ticks=s.ticks, bubble=s.bubble_fraction,
-                textbook=schedules.textbook_bubble(p, m, v),
+                textbook=schedules.formula_bubble(name, p, m, v),
                 formula_1=(p - 1) / (m + p - 1), formula_v=(p - 1) / (2 * m + p - 1),
+                formula_zb=schedules.zero_bubble_h1_bubble(p, m),
                 in_flight=[s.in_flight(d) for d in range(p)], packed=prog.ticks,
                 stash_slots=prog.stash_slots, grad_slots=prog.grad_slots,
-                # a backward from stored residuals costs 2 F, a recomputing one 3 F
+                # a backward from stored residuals costs 2 F, a recomputing one 3 F; ZB-H1's
+                # B and W 1 F each
                 lockstep=prog.lockstep_time(1.0, 2.0 if prog.residuals else 3.0),
                 lockstep_gpipe=gpipe.lockstep_time(1.0, 3.0))
 
@@ -164,22 +167,31 @@ def _kib(n: float) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["| p | m | schedule | ticks | bubble (table) | (p-1)/(m+p-1) | (p-1)/(2m+p-1) | "
-             "in flight per rank | stash slots | packed ticks | temp bytes | temp KiB | "
-             "FLOPs / unpipelined | step ms | step / GPipe's | lockstep (F=1) | "
-             "/ GPipe's |",
-             "|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(p-1)/(3m+p-1) | in flight per rank | stash slots | packed ticks | temp bytes | "
+             "temp KiB | FLOPs / unpipelined | step ms | step / GPipe's | step / 1F1B's | "
+             "lockstep (F=1) | / GPipe's | / 1F1B's |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+             "---:|---:|---:|---:|"]
     for r in rows:
-        twin = [g for g in rows
-                if g["schedule"] == "gpipe" and (g["p"], g["m"]) == (r["p"], r["m"])]
-        vs = f"{r['step_s'] / twin[0]['step_s']:.2f}" if twin else "-"
+        gpipe, onef = _twin(rows, r, "gpipe"), _twin(rows, r, "1f1b")
+        vs = f"{r['step_s'] / gpipe['step_s']:.2f}" if gpipe else "-"
+        vs1 = f"{r['step_s'] / onef['step_s']:.2f}" if onef else "-"
+        lock1 = f"{r['lockstep'] / onef['lockstep']:.2f}" if onef else "-"
         lines.append(
             f"| {r['p']} | {r['m']} | {r['schedule']}{' v=2' if r['v'] > 1 else ''} | "
             f"{r['ticks']} | {r['bubble']:.4f} | {r['formula_1']:.4f} | {r['formula_v']:.4f} | "
+            f"{r['formula_zb']:.4f} | "
             f"{','.join(map(str, r['in_flight']))} | {r['stash_slots']} | {r['packed']} | "
             f"{r['temp']:,} | {_kib(r['temp'])} | {r['flops_ratio']:.3f} | "
-            f"{r['step_s'] * 1e3:.1f} | {vs} | {r['lockstep']:.1f} | "
-            f"{r['lockstep'] / r['lockstep_gpipe']:.2f} |")
+            f"{r['step_s'] * 1e3:.1f} | {vs} | {vs1} | {r['lockstep']:.1f} | "
+            f"{r['lockstep'] / r['lockstep_gpipe']:.2f} | {lock1} |")
     return "\n".join(lines)
+
+
+def _twin(rows: list[dict], r: dict, name: str) -> dict | None:
+    """The row of schedule ``name`` at ``r``'s p and m."""
+    return next((g for g in rows if g["schedule"] == name and (g["p"], g["m"]) == (r["p"], r["m"])),
+                None)
 
 
 def _by(rows, name, p):
@@ -197,12 +209,13 @@ def findings(rows: list[dict], load: tuple[float, float] | None = None) -> list[
     err = max(abs(r["bubble"] - r["textbook"]) for r in rows)
     out.append(f"**Bubble.** The executed tables equal the formulas to {err:.0e} in every row.")
     fl = {name: [r["flops_ratio"] for r in rows if r["schedule"] == name]
-          for name in ("gpipe", "1f1b", "interleaved")}
+          for name in ("gpipe", "1f1b", "interleaved", "zb1")}
     out.append("**FLOPs.** The compiled pipelined step does "
                + ", ".join(f"{_span(v, '{:.3f}')}x ({k})" for k, v in fl.items() if v)
-               + " the matmul FLOPs of the unpipelined one: a 1F1B or interleaved backward reads "
-               "its forward's stored VJP residuals; GPipe's, holding all m micro-batches, keeps "
-               "only stage inputs and recomputes its stage (4/3x; every schedule did before).")
+               + " the matmul FLOPs of the unpipelined one: a 1F1B, interleaved or ZB-H1 "
+               "backward reads its forward's stored VJP residuals; GPipe's, holding all m "
+               "micro-batches, keeps only stage inputs and recomputes its stage (4/3x; every "
+               "schedule did before).")
     pairs = [(o, g) for o in rows if o["schedule"] == "1f1b" for g in rows
              if g["schedule"] == "gpipe" and (g["p"], g["m"]) == (o["p"], o["m"])]
     if pairs:
@@ -223,8 +236,19 @@ def findings(rows: list[dict], load: tuple[float, float] | None = None) -> list[
                    + _span([i["lockstep"] / g["lockstep"] for i, g in inter])
                    + "x GPipe's (half-sized passes); measured step time "
                    + _span([i["step_s"] / g["step_s"] for i, g in inter]) + "x.")
+    zb = [(z, o) for z in rows if z["schedule"] == "zb1" for o in [_twin(rows, z, "1f1b")] if o]
+    if zb:
+        out.append(
+            "**ZB-H1 against 1F1B.** With the backward split into B (input gradient) and W (weight "
+            "gradient), 1 F each, and the W passes packed into the cool-down, ZB-H1's lock-step "
+            f"time is {_span([z['lockstep'] / o['lockstep'] for z, o in zb])}x 1F1B's at the "
+            f"same p and m (bubble {_span([z['bubble'] for z, _ in zb], '{:.3f}')} of its "
+            f"table's device-ticks against 1F1B's {_span([o['bubble'] for _, o in zb], '{:.3f}')}"
+            f"), in {_span([z['packed'] / o['packed'] for z, o in zb])}x its ticks, holding "
+            f"{_span([z['temp'] / o['temp'] for z, o in zb])}x its temporaries; measured step "
+            f"time {_span([z['step_s'] / o['step_s'] for z, o in zb])}x.")
     for p in sorted({r["p"] for r in rows}):
-        g, o = _by(rows, "gpipe", p), _by(rows, "1f1b", p)
+        g, o, z = _by(rows, "gpipe", p), _by(rows, "1f1b", p), _by(rows, "zb1", p)
         parts = []
         if len(g) > 1:
             parts.append(f"GPipe's temp grows {_kib(g[0]['temp'])} -> {_kib(g[-1]['temp'])} KiB "
@@ -235,6 +259,9 @@ def findings(rows: list[dict], load: tuple[float, float] | None = None) -> list[
                          + "/".join(str(r["m"]) for r in o) + " ("
                          + "/".join(str(r["stash_slots"]) for r in o)
                          + " residual sets: min(2p - 2, m))")
+        if z:
+            parts.append("ZB-H1's is " + "/".join(_kib(r["temp"]) for r in z) + " KiB at m="
+                         + "/".join(str(r["m"]) for r in z))
         if parts:
             out.append(f"**Memory, p={p}.** " + "; ".join(parts) + ".")
     noise = max(r["step_spread"] for r in rows)
@@ -270,7 +297,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     import numpy as np
     from matplotlib.lines import Line2D
 
-    colours = {"gpipe": "tab:blue", "1f1b": "tab:orange", "interleaved": "tab:green"}
+    colours = {"gpipe": "tab:blue", "1f1b": "tab:orange", "interleaved": "tab:green",
+               "zb1": "tab:red"}
     ps = sorted({r["p"] for r in rows})
     ms = sorted({r["m"] for r in rows})
     styles = dict(zip(ps, ("-", "--", ":")))
@@ -279,7 +307,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     bubble, temp, growth, step = axes.flat
     mm = np.linspace(ms[0], ms[-1], 100)
     for p in ps:
-        for v, colour in ((1, "grey"), (2, colours["interleaved"])):
+        for v, colour in ((1, "grey"), (2, colours["interleaved"]), (3, colours["zb1"])):
             bubble.plot(mm, (p - 1) / (v * mm + p - 1), styles[p], color=colour, lw=1, alpha=0.6)
     for name in colours:
         for p in ps:
@@ -307,7 +335,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     keys += [Line2D([], [], color="k", ls=styles[p], marker=markers[p], label=f"p={p}")
              for p in ps]
     formulas = [Line2D([], [], color="grey", label="(p-1)/(m+p-1)"),
-                Line2D([], [], color=colours["interleaved"], label="(p-1)/(2m+p-1)")]
+                Line2D([], [], color=colours["interleaved"], label="(p-1)/(2m+p-1)"),
+                Line2D([], [], color=colours["zb1"], label="(p-1)/(3m+p-1)")]
     bubble.legend(handles=keys + formulas, fontsize=8)
     growth.legend(handles=keys, fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -323,7 +352,8 @@ def write_report(rows: list[dict], skipped: list[str], *, wall: float, quick: bo
     suffix = "_quick" if quick else ""
     text = table(rows)
     md = [
-        "# Pipeline bubble, stored residuals, FLOPs and step time: GPipe, 1F1B, interleaved",
+        "# Pipeline bubble, stored residuals, FLOPs and step time: GPipe, 1F1B, interleaved, "
+        "ZB-H1",
         "",
         f"`{command}` ({wall:.0f} s); jax {jax.__version__}, {jax.device_count()} simulated CPU "
         f"devices on {os.cpu_count()} cores; fp32.",
@@ -341,7 +371,7 @@ def write_report(rows: list[dict], skipped: list[str], *, wall: float, quick: bo
         "per step, all ranks, over those of the same batch on data = 8 without a pipeline. "
         "*Lockstep*: `Program.lockstep_time`, the step in forward-pass units when each tick "
         "lasts its busiest rank's work (a backward from stored residuals = 2 F; GPipe's, which "
-        "recomputes its stage, 3 F). *Step*: "
+        "recomputes its stage, 3 F; ZB-H1's B and W 1 F each). *Step*: "
         + ("one timed run" if quick else f"median of {REPEATS} timed runs")
         + " after one warm-up, on real arrays.",
         "",

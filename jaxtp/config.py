@@ -25,7 +25,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["default", "xla", "cudnn"]
 ContextLayout = Literal["zigzag", "contiguous"]
 RopeScaling = Literal["none", "llama3"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
 
 
 
@@ -125,8 +125,8 @@ class ParallelConfig:
     zero_stage: int = 0
     remat: Remat = "none"
     # Pipeline parallelism over `pipeline` (train.microbatches micro-batches per step): the order
-    # of forward and backward passes (jaxtp/schedules.py), and for "interleaved" the number of
-    # model chunks (virtual stages) per pipeline rank.
+    # of passes (jaxtp/schedules.py; "zb1": ZB-H1, backward split into input and weight gradient
+    # passes), and for "interleaved" the number of model chunks (virtual stages) per rank.
     pipeline_schedule: PipelineSchedule = "1f1b"
     virtual_stages: int = 1
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _OPERATORS = _PACKAGE + "collectives.py"  # the named Megatron / ZeRO operators
-_PLUMBING = (_OPERATORS, _PACKAGE + "execution.py", _PACKAGE + "sharding.py")  # and dispatch
+# and dispatch (weight_grad.py: the matmul wrapper ZB-H1 splits the backward at)
+_PLUMBING = (_OPERATORS, _PACKAGE + "execution.py", _PACKAGE + "sharding.py",
+             _PACKAGE + "weight_grad.py")
 _EINSUM = re.compile(r"[\w.]+(?:,[\w.]+)*->[\w.]*")
 
 # Flax module class -> [(attribute path, ancestor classes nearest first)], e.g.
@@ -135,10 +137,10 @@ def source(part: Part, modules: ModulePaths | None = None,
     the backward pass (a transposed op, or a forward op recomputed there).
 
     WHERE is the innermost frame of jaxtp outside the operator plumbing (``collectives.py``,
-    ``execution.py``, ``sharding.py``) and module-private helpers (``_name``): a method of a model
-    module, by its attribute path (``blocks/attn``, ``embed.attend`` for a method other than
-    ``__call__``), or a function, closures folded into the function defining them
-    (``sync_grads``, ``Trainer.step_fn``).
+    ``execution.py``, ``sharding.py``, ``weight_grad.py``) and module-private helpers
+    (``_name``): a method of a model module, by its attribute path (``blocks/attn``,
+    ``embed.attend`` for a method other than ``__call__``), or a function, closures folded into
+    the function defining them (``sync_grads``, ``Trainer.step_fn``).
     WHAT is the innermost operator of ``collectives.py`` (``reduce_from_model``,
     ``copy_to_model``, ``gather_shard``); else the library function called below WHERE: the
     innermost closure there (optax's ``clip_by_global_norm``), or the outermost library frame

@@ -115,7 +115,11 @@ def in_flight(layout: Layout, activations: str = "jaxtp") -> float:
         return 1.0  # gradient accumulation: each micro-batch's backward frees it
     if (activations == "jaxtp" and v == 1
             and stores_residuals(layout.pipeline_schedule, layout.remat)):
-        return min(2 * p - 2, m) + 3.0  # 1F1B's Program.res_slots (tests/test_pipeline.py)
+        # 1F1B's Program.res_slots (tests/test_pipeline.py); ZB-H1 also holds, from a B to its
+        # W, each linear's input and output cotangent (priced as a residual set) for p - 1
+        # micro-batches (Program.wres_slots), and two such buffers more
+        extra = (p - 1) + 2.0 if layout.pipeline_schedule == "zb1" else 0.0
+        return min(2 * p - 2, m) + 3.0 + extra
     if layout.pipeline_schedule == "gpipe":
         return float(m)
     if layout.pipeline_schedule == "1f1b":

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxtp import weight_grad
 from jaxtp.config import ModelConfig
 from jaxtp.execution import TP_REDUCED
 from jaxtp.layers.attention import Attention, positional
@@ -199,5 +200,7 @@ def _remat(body, remat: str, gathers_layers: bool):
         # is not enough: ops on the weights, e.g. a layout copy, would be saved.) Every other
         # policy already leaves the gathered weights (all-gather outputs) unsaved.
         policy = REMAT_POLICIES["dots_saveable"]
+    if policy is not None and weight_grad.is_splitting():  # keep the B / W split's markers
+        policy = weight_grad.policy(policy)
     return body if policy is None else jax.checkpoint(body, policy=policy)
 

@@ -18,9 +18,13 @@ By default a ``F`` keeps its stage's VJP residuals (:mod:`jaxtp.stage_residuals`
 remat policy saves) for its ``B``, which then runs the backward only; with ``residuals=False`` it
 keeps only the stage input and ``B`` recomputes the stage (GPipe sec. 2.3). Residual buffers enter
 the tick's ``lax.switch`` read-only and are written after it (a buffer passed through a branch is
-copied whole by XLA). Optionally the pipeline owns the embedding (``embed_fn`` on stage 0) and the
-loss head (``head_params`` of ``loss_fn`` on the last stage), whose gradients are summed over
-``pipeline`` once per step, so a whole language model runs with only its blocks split into stages.
+copied whole by XLA). Under ZB-H1 (``zb1``) the backward is two passes (:mod:`jaxtp.weight_grad`):
+``B`` computes the input cotangent and keeps what the weight gradient needs (each linear's input
+and output cotangent) in a buffer until the micro-batch's ``W``, which the schedule places in the
+ticks where the rank would otherwise wait. Optionally the pipeline owns the embedding
+(``embed_fn`` on stage 0) and the loss head (``head_params`` of ``loss_fn`` on the last
+stage), whose gradients are summed over ``pipeline`` once per step, so a whole language model
+runs with only its blocks split into stages.
 """
 
 from __future__ import annotations
@@ -32,23 +36,25 @@ import jax
 import jax.numpy as jnp
 
 from jaxtp import pipeline_program as col  # the columns of Program.rows
+from jaxtp import weight_grad
 from jaxtp.axes import PIPELINE
 from jaxtp.layer_order import ranks_to_stages, stages_to_ranks  # noqa: F401  (public here too)
+from jaxtp.pipeline_buffers import (  # noqa: F401  (varying_axes, vary_over: public here too)
+    add,
+    add_chunk,
+    add_chunk_leaves,
+    index,
+    read,
+    vary_over,
+    varying_axes,
+    write,
+    zeros,
+    zeros_like,
+)
 from jaxtp.pipeline_program import Branch, Program, Segment, Step, compile_schedule  # noqa: F401
 from jaxtp.schedules import Schedule, ScheduleError, check_pipeline  # noqa: F401
-from jaxtp.stage_residuals import join_vjp, split_vjp
+from jaxtp.stage_residuals import join_vjp, split_vjp, vjp_leaves
 from jaxtp.stage_transfer import sender
-
-
-def varying_axes(x) -> frozenset[str]:
-    """The manual mesh axes over which ``x`` varies (its type's ``vma``)."""
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
-def vary_over(x, axes):
-    """``pcast`` to varying over those of ``axes`` that ``x`` does not already vary over."""
-    missing = tuple(a for a in sorted(axes) if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 class PipelineGrads(NamedTuple):
@@ -128,37 +134,6 @@ def _check_inputs(s: Schedule, microbatches, stage_params, *, axis: str, embed_f
                             f"got shapes {bad[:3]} (lay them out with stages_to_ranks)")
 
 
-def _zeros(shape, dtype, vma):
-    return vary_over(jnp.zeros(shape, dtype), vma)
-
-
-def _zeros_like(tree):
-    return jax.tree.map(lambda a: _zeros(a.shape, a.dtype, varying_axes(a)), tree)
-
-
-def _add(acc, d):
-    return jax.tree.map(jnp.add, acc, d)
-
-
-def _add_chunk(grads, c, d):
-    """``grads[c] += d`` on every leaf (``c`` traced)."""
-    return jax.tree.map(lambda g, x: jax.lax.dynamic_update_index_in_dim(
-        g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x, c, 0), grads, d)
-
-
-def _index(tree, i):
-    """Micro-batch ``i`` (traced) of every leaf of ``tree``."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
-
-
-def _read(buf, slot):
-    return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
-
-
-def _write(buf, slot, value):  # unused writes go to the buffer's last (scratch) slot
-    return jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)
-
-
 class _Type(NamedTuple):
     shape: tuple[int, ...]
     dtype: Any
@@ -181,6 +156,9 @@ class _Operands(NamedTuple):
     g: Any
     res: list
     res_slot: Any
+    wc: Any = None          # the weight-gradient pass's chunk, its input buffers and slot
+    wres: Any = None
+    wres_slot: Any = None
 
 
 class _Run:
@@ -211,15 +189,17 @@ class _Run:
         rank = jax.lax.axis_index(self.axis)
         rows = jnp.take(jnp.asarray(self.prog.rows), rank, axis=1)  # [ticks, columns]: this rank's
         prog = self.prog
-        carry = (_zeros((prog.act_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
-                 _zeros((prog.grad_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
-                 [_zeros((prog.res_slots + 1, *a.shape), a.dtype, a.vma) for a in self.res_types],
-                 (_zeros_like(self.params), _zeros_like(self.eparams),
-                  _zeros_like(self.hparams)), self.zero_loss)
+        carry = (zeros((prog.act_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
+                 zeros((prog.grad_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
+                 [zeros((prog.res_slots + 1, *a.shape), a.dtype, a.vma) for a in self.res_types],
+                 [zeros((prog.wres_slots + 1, *a.shape), a.dtype, a.vma)
+                  for a in self.wres_types],
+                 (zeros_like(self.params), zeros_like(self.eparams),
+                  zeros_like(self.hparams)), self.zero_loss)
         self.send = sender(self.axis, send_split)
         for seg in prog.segments:
             carry, _ = jax.lax.scan(self._tick_of(seg), carry, rows[seg.start:seg.stop])
-        _, _, _, (grads, egrads, hgrads), loss = carry
+        _, _, _, _, (grads, egrads, hgrads), loss = carry
         total = (lambda t: None if t is None
                  else jax.tree.map(lambda a: jax.lax.psum(a, self.axis), t))
         return jax.lax.psum(loss, self.axis), PipelineGrads(grads, total(egrads), total(hgrads))
@@ -228,24 +208,39 @@ class _Run:
         """What a stage input, the loss and the stage's stored VJP residuals look like, their
         varying axes included (e.g. `model` when the stream is sequence-sharded, the replica axes
         of the parameters): traced once for the types; the values are dead code."""
-        x0 = self._embed(self.eparams, _index(self.inputs, 0))
+        x0 = self._embed(self.eparams, index(self.inputs, 0))
         self.x_shape, self.x_dtype = x0.shape, x0.dtype
         self.act_vma = self.batch_vma | varying_axes(x0)
         pc0 = jax.tree.map(lambda a: a[0], self.params)
-        side0 = _index(self.side, 0)
-        y0, vjp0 = jax.vjp(lambda pc, x: self._stage(pc, x, side0), pc0,
-                           vary_over(x0, self.act_vma))
+        side0 = index(self.side, 0)
+        with weight_grad.splitting(self.prog.split):
+            y0, vjp0 = jax.vjp(lambda pc, x: self._stage(pc, x, side0), pc0,
+                               vary_over(x0, self.act_vma))
         self.recipe, stored = split_vjp(vjp0, pc0)
+        self.wres_types, self.markers = [], []
+        if self.prog.split:
+            leaves0, vjp_def = jax.tree_util.tree_flatten(vjp0)
+            # traced with the varying axes the leaves have inside a tick (`pipeline` included)
+            leaves0 = [vary_over(a, varying_axes(a) | self.batch_vma) for a in leaves0]
+            self.bw = weight_grad.split(
+                lambda lv, g: jax.tree.leaves(jax.tree_util.tree_unflatten(vjp_def, lv)(g)),
+                leaves0, vary_over(jnp.zeros_like(y0), self.act_vma), cast=vary_over)
+            if self.bw.out_unknown[-1]:
+                raise ValueError("zb1: the stage's input cotangent depends on a weight-gradient "
+                                 "pass; the B / W split found no input-gradient part")
+            self.wres_types = [_Type(a.shape, a.dtype, weight_grad.varying(a) | self.batch_vma)
+                               for a in self.bw.residuals]
+            self.markers = [leaves0[i] for i in self.bw.markers]
         # varying over `pipeline` too: a branch of the tick's switch (whose index does) makes them
         self.res_types = ([_Type(a.shape, a.dtype, varying_axes(a) | self.batch_vma)
                            for a in stored] if self.prog.residuals else [])
-        l0 = self._loss(self.hparams, y0, _index(self.targets, 0))
+        l0 = self._loss(self.hparams, y0, index(self.targets, 0))
         self.loss_vma = self.batch_vma | varying_axes(l0)
-        self.nothing = _zeros(self.x_shape, self.x_dtype, self.act_vma)
-        self.zero_loss = _zeros((), jnp.float32, self.loss_vma)
+        self.nothing = zeros(self.x_shape, self.x_dtype, self.act_vma)
+        self.zero_loss = zeros((), jnp.float32, self.loss_vma)
 
     def _no_res(self):
-        return [_zeros(t.shape, t.dtype, t.vma) for t in self.res_types]
+        return [zeros(t.shape, t.dtype, t.vma) for t in self.res_types]
 
     def _embed(self, ep, raw):
         return raw if self.embed_fn is None else self.embed_fn(ep, raw)
@@ -268,18 +263,23 @@ class _Run:
         """``(operands, grads) -> (y to send on, dx to send back, loss, grads[, residuals to
         store, the loss's own output cotangent])``: the branch's forward, then its backward (the
         bracketed outputs only in a segment with forwards, when residuals are stored)."""
-        fwd, bwd, fused = branch
+        fwd, bwd, fused, wgt, wfused = branch
         keeps = seg.forward and self.prog.residuals
+        passes_w = seg.backward and self.prog.split  # B's outputs for W go to the buffer
 
         def run(ops: _Operands, acc):
-            y, dx, loss, kept, own = (self.nothing, self.nothing, self.zero_loss, None,
-                                      self.nothing)
+            y, dx, loss, kept, own, wres = (self.nothing, self.nothing, self.zero_loss, None,
+                                            self.nothing, None)
             if fwd is not None:
                 y, loss, acc, kept, own = self._forward(fwd, ops, acc)
             if bwd is not None:
-                dx, acc = self._backward(bwd, ops, acc, (kept, own) if fused else None)
+                dx, acc, wres = self._backward(bwd, ops, acc, (kept, own) if fused else None)
+            if wgt is not None:
+                acc = self._weight(ops, acc, wres if wfused else None)
             kept = self._no_res() if kept is None else kept
-            return (y, dx, loss, acc) + ((kept, own) if keeps else ())
+            wres = self._no_wres() if wres is None else wres
+            return ((y, dx, loss, acc) + ((kept, own) if keeps else ())
+                    + ((wres,) if passes_w else ()))
         return run
 
     def _forward(self, step: Step, ops: _Operands, acc):
@@ -294,7 +294,8 @@ class _Run:
                 return self.nothing, vary_over(loss.astype(jnp.float32), self.loss_vma), acc, \
                     None, self.nothing
             return vary_over(y, self.act_vma), self.zero_loss, acc, None, self.nothing
-        y, vjp = jax.vjp(lambda pc, x: self._stage(pc, x, raw[1]), pc, x)
+        with weight_grad.splitting(self.prog.split):
+            y, vjp = jax.vjp(lambda pc, x: self._stage(pc, x, raw[1]), pc, x)
         kept = [vary_over(a, t.vma) for a, t in zip(split_vjp(vjp, pc)[1], self.res_types)]
         if not step.last:
             return vary_over(y, self.act_vma), self.zero_loss, acc, kept, self.nothing
@@ -302,7 +303,7 @@ class _Run:
             lambda hp, y: self._loss(hp, y, ops.tgt_f) * (1.0 / self.s.m), self.hparams, y)
         dhp, dy = head_vjp(jnp.ones_like(loss))
         sg, eg, hg = acc
-        hg = _add(hg, dhp) if hg is not None else hg
+        hg = add(hg, dhp) if hg is not None else hg
         loss = vary_over(loss.astype(jnp.float32), self.loss_vma)
         return self.nothing, loss, (sg, eg, hg), kept, vary_over(dy, self.act_vma)
 
@@ -311,23 +312,41 @@ class _Run:
         forward just run, and its loss cotangent), or recomputing its forward first."""
         sg, eg, hg = acc
         pc, raw = self._chunk(ops.bc), ops.raw_b
+        wres = None
         if self.prog.residuals:
             kept, g = direct if direct is not None else (
-                [_read(b, ops.res_slot) for b in ops.res], ops.g)
-            dpc, dx = join_vjp(self.recipe, pc, kept)(g)
+                [read(b, ops.res_slot) for b in ops.res], ops.g)
+            if self.prog.split:  # B: the input cotangent; keep what W needs
+                outs, wres = weight_grad.run_known(self.bw, vjp_leaves(self.recipe, pc, kept), g)
+                dpc, dx = None, outs[-1]
+                sg = add_chunk_leaves(sg, ops.bc, outs[:-1])
+                wres = [vary_over(a, t.vma) for a, t in zip(wres, self.wres_types)]
+            else:
+                dpc, dx = join_vjp(self.recipe, pc, kept)(g)
             if step.first and eg is not None:  # the embedding's backward (a scatter-add)
-                eg = _add(eg, jax.vjp(lambda ep: self._embed(ep, raw[0]), self.eparams)[1](dx)[0])
+                eg = add(eg, jax.vjp(lambda ep: self._embed(ep, raw[0]), self.eparams)[1](dx)[0])
         else:
             def run(pc, ep, hp, x):
                 y = self._stage(pc, self._embed(ep, raw[0]) if step.first else x, raw[1])
                 return self._loss(hp, y, ops.tgt_b) * (1.0 / self.s.m) if step.last else y
             out, vjp = jax.vjp(run, pc, self.eparams, self.hparams, ops.xb)
             dpc, dep, dhp, dx = vjp(jnp.ones_like(out) if step.last else ops.g)
-            eg = _add(eg, dep) if step.first and eg is not None else eg
-            hg = _add(hg, dhp) if step.last and hg is not None else hg
-        sg = _add_chunk(sg, ops.bc, dpc)
+            eg = add(eg, dep) if step.first and eg is not None else eg
+            hg = add(hg, dhp) if step.last and hg is not None else hg
+        sg = sg if dpc is None else add_chunk(sg, ops.bc, dpc)
         dx = self.nothing if step.first else vary_over(dx, self.act_vma)
-        return dx, (sg, eg, hg)
+        return dx, (sg, eg, hg), wres
+
+    def _weight(self, ops: _Operands, acc, direct):
+        """``W``: the stage's weight gradients from what its ``B`` kept (``direct``: the ``B``
+        of this tick's)."""
+        sg, eg, hg = acc
+        wres = direct if direct is not None else [read(b, ops.wres_slot) for b in ops.wres]
+        outs = weight_grad.run_unknown(self.bw, wres, self.markers)
+        return add_chunk_leaves(sg, ops.wc, outs[:-1]), eg, hg
+
+    def _no_wres(self):
+        return [zeros(t.shape, t.dtype, t.vma) for t in self.wres_types]
 
     def _tick_of(self, seg: Segment):
         """The scan body of ``seg``: run this rank's branch of the tick, then send the forward
@@ -335,33 +354,37 @@ class _Run:
         arrives, and what the forward keeps, in their slots."""
         p, keeps = self.s.p, seg.forward and self.prog.residuals
         branches = [self._branch(b, seg) for b in ((Branch(None, None, False),) + seg.branches)]
+        passes_w = seg.backward and self.prog.split
 
         def tick(carry, row):
-            acts, cots, res, acc, loss = carry                       # acts: [A + 1, b, s, h]
+            acts, cots, res, wres, acc, loss = carry                 # acts: [A + 1, b, s, h]
             f_mb, b_mb = row[col.F_MB], row[col.B_MB]
             ops = _Operands(
                 fc=row[col.F_CHUNK], bc=row[col.B_CHUNK],
-                raw_f=(_index(self.inputs, f_mb), _index(self.side, f_mb)),
-                tgt_f=_index(self.targets, f_mb),
-                raw_b=(_index(self.inputs, b_mb), _index(self.side, b_mb)),
-                tgt_b=_index(self.targets, b_mb),
-                x=_read(acts, row[col.ACT_SLOT]) if seg.forward else self.nothing,
-                xb=(_read(acts, row[col.B_ACT_SLOT]) if seg.backward and not self.prog.residuals
+                raw_f=(index(self.inputs, f_mb), index(self.side, f_mb)),
+                tgt_f=index(self.targets, f_mb),
+                raw_b=(index(self.inputs, b_mb), index(self.side, b_mb)),
+                tgt_b=index(self.targets, b_mb),
+                x=read(acts, row[col.ACT_SLOT]) if seg.forward else self.nothing,
+                xb=(read(acts, row[col.B_ACT_SLOT]) if seg.backward and not self.prog.residuals
                     else self.nothing),
-                g=_read(cots, row[col.GRAD_SLOT]) if seg.backward else self.nothing,
-                res=res, res_slot=row[col.RES_SLOT])
+                g=read(cots, row[col.GRAD_SLOT]) if seg.backward else self.nothing,
+                res=res, res_slot=row[col.RES_SLOT], wc=row[col.W_CHUNK],
+                wres=wres if seg.weight else None, wres_slot=row[col.WRES_SLOT])
             out = jax.lax.switch(row[col.KIND], branches, ops, acc)
             y, dx, dloss, acc = out[:4]
             n_pairs = p if self.prog.cyclic else p - 1
             if p > 1 and seg.sends_forward:
                 y = self.send(y, [(r, (r + 1) % p) for r in range(n_pairs)])   # r -> r + 1
-                acts = _write(acts, row[col.RECV_ACT], y)
+                acts = write(acts, row[col.RECV_ACT], y)
             if p > 1 and seg.sends_backward:
                 dx = self.send(dx, [((r + 1) % p, r) for r in range(n_pairs)])  # r -> r - 1
-                cots = _write(cots, row[col.RECV_GRAD], dx)
+                cots = write(cots, row[col.RECV_GRAD], dx)
             if keeps:
-                kept, own = out[4:]
-                cots = _write(cots, row[col.OWN_GRAD], own)
-                res = [_write(b, row[col.WRITE_RES], a) for b, a in zip(res, kept)]
-            return (acts, cots, res, acc, loss + dloss), None
+                kept, own = out[4:6]
+                cots = write(cots, row[col.OWN_GRAD], own)
+                res = [write(b, row[col.WRITE_RES], a) for b, a in zip(res, kept)]
+            if passes_w:
+                wres = [write(b, row[col.WRITE_WRES], a) for b, a in zip(wres, out[-1])]
+            return (acts, cots, res, wres, acc, loss + dloss), None
         return tick

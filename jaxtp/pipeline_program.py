@@ -37,12 +37,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxtp.schedules import Pass, Schedule, ScheduleError, Tick, check_pipeline, dependencies
+from jaxtp.pipeline_pack import in_flight_cap, pack  # noqa: F401  (public here too)
+from jaxtp.schedules import Schedule, ScheduleError, Tick, check_pipeline
 
 # columns of Program.rows
 (KIND, F_CHUNK, F_MB, B_CHUNK, B_MB, ACT_SLOT, B_ACT_SLOT, GRAD_SLOT, RES_SLOT, WRITE_RES,
- OWN_GRAD, RECV_ACT, RECV_GRAD) = range(13)
-N_COLUMNS = 13
+ OWN_GRAD, RECV_ACT, RECV_GRAD, W_CHUNK, W_MB, WRES_SLOT, WRITE_WRES) = range(17)
+N_COLUMNS = 17
 
 
 class Step(NamedTuple):
@@ -55,12 +56,17 @@ class Step(NamedTuple):
 
 
 class Branch(NamedTuple):
-    """A rank's work in one tick: a forward, a backward (either may be ``None``), and whether
-    the backward is the same micro-batch's, right after its forward (the last stage)."""
+    """A rank's work in one tick: a forward, a backward (either may be ``None``), whether
+    the backward is the same micro-batch's, right after its forward (the last stage), and under
+    a split backward (ZB-H1) a weight-gradient pass ``weight``, last, and whether it is the
+    micro-batch of the tick's backward (``weight_fused``: it takes the backward's output
+    directly)."""
 
     forward: Step | None
     backward: Step | None
     fused: bool
+    weight: Step | None = None
+    weight_fused: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class Segment:
     branches: tuple[Branch, ...]
     sends_forward: bool
     sends_backward: bool
+    weight: bool = False   # whether any rank runs a weight-gradient pass (split backward)
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,12 @@ class Program:
     act_slots: int          # stage inputs held per rank (arrival -> F, or -> B when recomputing)
     grad_slots: int         # output cotangents held per rank
     res_slots: int          # VJP residual sets held per rank (F -> B; 0 when recomputing)
+    wres_slots: int = 0     # weight-gradient inputs held per rank (B -> W; split backward only)
+
+    @property
+    def split(self) -> bool:
+        """Whether the backward runs as two passes, ``B`` then ``W`` (ZB-H1)."""
+        return self.schedule.split_backward
 
     @property
     def cyclic(self) -> bool:
@@ -135,12 +148,19 @@ class Program:
             out[n] = tuple(float((kinds == k).sum()) / len(kinds) for k in range(n))
         return out
 
-    def lockstep_time(self, forward: float = 1.0, backward: float = 2.0) -> float:
+    def lockstep_time(self, forward: float = 1.0, backward: float = 2.0,
+                      weight: float | None = None) -> float:
         """Step time when every tick lasts as long as its busiest rank's work (``forward`` for
-        its ``F``, ``backward`` for its ``B``; a chunk's pass is ``1 / v`` of that). The default
-        1 : 2 is a backward from stored residuals."""
+        its ``F``, ``backward`` for its ``B``, ``weight`` for a split backward's ``W``; a
+        chunk's pass is ``1 / v`` of that). The default 1 : 2 is a backward from stored
+        residuals; split, ``B`` and ``W`` default to half of it each."""
+        if self.split:
+            backward, weight = (backward / 2, backward / 2) if weight is None else (backward,
+                                                                                   weight)
+        weight = 0.0 if weight is None else weight
         per_rank = [self.executed(r) for r in range(self.schedule.p)]
-        return sum(max(((b.forward is not None) * forward + (b.backward is not None) * backward)
+        return sum(max(((b.forward is not None) * forward + (b.backward is not None) * backward
+                        + (b.weight is not None) * weight)
                        for b in tick if b is not None)
                    for tick in zip(*per_rank) if any(tick)) / self.schedule.v
 
@@ -158,8 +178,10 @@ def stores_residuals(schedule: str, remat: str) -> bool:
     backward): not under ``remat=full``, which asks to keep stage inputs only, and not for GPipe,
     which holds every micro-batch until its backwards start: GPipe's own answer is to keep only
     stage inputs and recompute (Huang et al. 2019, sec. 2.3); m whole residual sets made the
-    step slower on the simulated CPU mesh (1.2x at 16 layers, p=2, m=8), memory-bound."""
-    return remat != "full" and schedule != "gpipe"
+    step slower on the simulated CPU mesh (1.2x at 16 layers, p=2, m=8), memory-bound.
+    ZB-H1 always does: its ``B`` / ``W`` split is a split of the stored VJP (under
+    ``remat=full`` the residuals are the layer inputs)."""
+    return schedule == "zb1" or (remat != "full" and schedule != "gpipe")
 
 
 def _assign_slots(lifetimes: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
@@ -189,79 +211,16 @@ def _colour(per_rank: list[list]) -> tuple[dict, int]:
     return slot, n
 
 
-def in_flight_cap(s: Schedule, device: int) -> int:
-    """Micro-batches (chunk passes) ``device`` may hold in the packed program: the table's own
-    peak, except 1F1B's. In lock-step ticks of ``F + B`` a micro-batch's trip from stage ``d``
-    to the last stage and back takes ``2 (p - 1 - d) + 1`` ticks, so with the table's ``p - d``
-    in flight the rank would idle the rest of the trip and the step take 1.1-1.5x GPipe's; with
-    ``2 (p - d) - 1`` every steady-state tick pairs a forward with a backward and the step takes
-    GPipe's ``(m + p - 1) (F + B)`` -- still independent of ``m``."""
-    if s.name == "1f1b":
-        return min(max(2 * (s.p - device) - 1, s.in_flight(device)), s.m)
-    return s.in_flight(device)
-
-
-def pack(s: Schedule) -> list[Tick]:
-    """The schedule in ticks of at most one ``F`` then one ``B`` per rank. A rank runs its
-    backwards in the table's order, each after the forwards the table puts before it; its
-    forwards in order too, each as soon as its input is ready and the rank holds fewer than
-    :func:`in_flight_cap` micro-batches (so a forward may run ahead of the table's ticks). A
-    ``B`` may use the ``F`` just run on its rank in the same tick (the last stage's)."""
-    n_stages = s.p * s.v
-    order: list[list[Tick]] = [[] for _ in range(s.p)]
-    for t in sorted(s.table, key=lambda t: t.tick):
-        order[t.device].append(t)
-    fwd = [[t for t in o if t.kind == "F"] for o in order]
-    bwd = [[t for t in o if t.kind == "B"] for o in order]
-    before = [[] for _ in range(s.p)]  # per backward, the forwards its rank's table runs first
-    for d, o in enumerate(order):
-        n = 0
-        for t in o:
-            n += t.kind == "F"
-            if t.kind == "B":
-                before[d].append(n)
-    caps = [in_flight_cap(s, d) for d in range(s.p)]
-    done: dict[Pass, int] = {}
-    nf, nb, out, tick = [0] * s.p, [0] * s.p, [], 0
-
-    def ready(t: Tick, also: Tick | None) -> bool:
-        ok = {Pass(also.kind, also.stage, also.microbatch)} if also else set()
-        return all(done.get(x, tick) < tick or x in ok
-                   for x in dependencies(Pass(t.kind, t.stage, t.microbatch), n_stages))
-    while any(nb[d] < len(bwd[d]) for d in range(s.p)):
-        ran = []
-        for d in range(s.p):
-            f = fwd[d][nf[d]] if nf[d] < len(fwd[d]) and ready(fwd[d][nf[d]], None) else None
-            b = bwd[d][nb[d]] if nb[d] < len(bwd[d]) else None
-            if b is not None and not (before[d][nb[d]] <= nf[d] + (f is not None)
-                                      and ready(b, f)):
-                b = None
-            if f is not None and nf[d] + 1 - nb[d] - (b is not None) > caps[d]:
-                f = None
-                if b is not None and not (before[d][nb[d]] <= nf[d] and ready(b, None)):
-                    b = None
-            nf[d] += f is not None
-            nb[d] += b is not None
-            ran += [t for t in (f, b) if t is not None]
-        if not ran:
-            raise ScheduleError(f"{s.name}: the packed orders deadlock at tick {tick}")
-        for t in ran:
-            done[Pass(t.kind, t.stage, t.microbatch)] = tick
-            out.append(Tick(tick=tick, device=t.device, chunk=t.chunk, stage=t.stage,
-                            microbatch=t.microbatch, kind=t.kind))
-        tick += 1
-    return out
-
-
 # Times inside tick t, for slot lifetimes: the forward reads at 4t, the backward at 4t + 2, and
 # what the forward keeps and what arrives are written at 4t + 3, after the tick's passes (a
 # backward that needs its own tick's forward takes it directly, not from a slot).
-def _lifetimes(s: Schedule, table: list[Tick], residuals: bool, fused: set) -> tuple:
-    """Per rank: (written, last read, (stage, micro-batch)) of stage inputs, output cotangents
-    and residual sets."""
+def _lifetimes(s: Schedule, table: list[Tick], residuals: bool, fused: set,
+               weight_fused: set) -> tuple:
+    """Per rank: (written, last read, (stage, micro-batch)) of stage inputs, output cotangents,
+    residual sets and (split backward) weight-gradient inputs."""
     p, n_stages = s.p, s.p * s.v
     at = {(t.kind, t.stage, t.microbatch): t.tick for t in table}
-    acts, grads, res = ([[] for _ in range(p)] for _ in range(3))
+    acts, grads, res, wres = ([[] for _ in range(p)] for _ in range(4))
     for t in table:
         key = (t.stage, t.microbatch)
         if t.kind == "F" and t.stage + 1 < n_stages:
@@ -277,7 +236,9 @@ def _lifetimes(s: Schedule, table: list[Tick], residuals: bool, fused: set) -> t
             k = t.stage - 1
             grads[k % p].append((4 * t.tick + 3, 4 * at[("B", k, t.microbatch)] + 2,
                                  (k, t.microbatch)))
-    return acts, grads, res
+        if t.kind == "W" and key not in weight_fused:
+            wres[t.device].append((4 * at[("B", *key)] + 3, 4 * t.tick + 2, key))
+    return acts, grads, res, wres
 
 
 def _segments(rows: np.ndarray, work: dict) -> tuple[Segment, ...]:
@@ -285,8 +246,8 @@ def _segments(rows: np.ndarray, work: dict) -> tuple[Segment, ...]:
     ticks use, and a branch count different from every other segment's (padded with idle
     branches) so that the census can weight each segment's switch by its own frequencies."""
     ticks = len(rows)
-    flags = [(any(b.forward for b in work[t].values()), any(b.backward for b in work[t].values()))
-             for t in range(ticks)]
+    flags = [(any(b.forward for b in work[t].values()),
+              any(b.backward or b.weight for b in work[t].values())) for t in range(ticks)]
     segs, start, counts = [], 0, set()
     for t in range(1, ticks + 1):
         if t < ticks and flags[t] == flags[start]:
@@ -302,7 +263,8 @@ def _segments(rows: np.ndarray, work: dict) -> tuple[Segment, ...]:
                 rows[u, d, KIND] = 1 + branches.index(b)
         segs.append(Segment(start, t, *flags[start], branches,
                             any(b.forward and not b.forward.last for b in used),
-                            any(b.backward and not b.backward.first for b in used)))
+                            any(b.backward and not b.backward.first for b in used),
+                            any(b.weight for b in used)))
         start = t
     return tuple(segs)
 
@@ -311,31 +273,38 @@ def compile_schedule(schedule: Schedule, *, residuals: bool = True) -> Program:
     """The per-rank program of ``schedule``: branch and buffer slots for every (tick, rank)."""
     s = schedule
     check_pipeline(s.name, s.p, s.m, s.v)
-    split = sorted({t.kind for t in s.table} - {"F", "B"})
-    if split:  # ZB-H1's weight-gradient passes: a table to simulate, not yet a runtime
-        raise ScheduleError(f"pipeline_schedule={s.name}: the runtime runs F and B passes only, "
-                            f"not {', '.join(split)} (a split backward); use gpipe, 1f1b or "
-                            f"interleaved")
+    if s.split_backward and not residuals:
+        raise ScheduleError(f"pipeline_schedule={s.name}: a split backward (B, then W) splits "
+                            f"the stored VJP; compile it with residuals=True")
     p, n_stages = s.p, s.p * s.v
     table = pack(s)
     ticks = 1 + max(t.tick for t in table)
     at = {(t.kind, t.stage, t.microbatch): t.tick for t in table}
     fused = {(t.stage, t.microbatch) for t in table if t.kind == "F" and residuals
              and at[("B", t.stage, t.microbatch)] == t.tick}
-    acts, grads, res = _lifetimes(s, table, residuals, fused)
+    weight_fused = {(t.stage, t.microbatch) for t in table
+                    if t.kind == "W" and at[("B", t.stage, t.microbatch)] == t.tick}
+    acts, grads, res, wres = _lifetimes(s, table, residuals, fused, weight_fused)
     (act_slot, n_act), (grad_slot, n_grad) = _colour(acts), _colour(grads)
     res_slot, n_res = _colour(res) if residuals else ({}, 0)
+    wres_slot, n_wres = _colour(wres) if s.split_backward else ({}, 0)
     rows = np.zeros((ticks, p, N_COLUMNS), np.int32)
     for col, n in ((ACT_SLOT, n_act), (B_ACT_SLOT, n_act), (RECV_ACT, n_act), (GRAD_SLOT, n_grad),
-                   (RECV_GRAD, n_grad), (OWN_GRAD, n_grad), (RES_SLOT, n_res), (WRITE_RES, n_res)):
+                   (RECV_GRAD, n_grad), (OWN_GRAD, n_grad), (RES_SLOT, n_res), (WRITE_RES, n_res),
+                   (WRES_SLOT, n_wres), (WRITE_WRES, n_wres)):
         rows[:, :, col] = n  # the scratch slot
     work: dict[int, dict[int, Branch]] = {t: {} for t in range(ticks)}
     for t in table:
         first, last = t.stage == 0, t.stage == n_stages - 1
         key = (t.stage, t.microbatch)
         row = rows[t.tick, t.device]
-        fwd, bwd, fuse = work[t.tick].get(t.device, Branch(None, None, False))
-        if t.kind == "F":
+        fwd, bwd, fuse, wgt, wfuse = work[t.tick].get(t.device, Branch(None, None, False))
+        if t.kind == "W":
+            wgt, wfuse = Step("W", first, last), key in weight_fused
+            row[W_CHUNK], row[W_MB] = t.chunk, t.microbatch
+            if not wfuse:
+                row[WRES_SLOT] = wres_slot[key]
+        elif t.kind == "F":
             fwd = Step("F", first, last)
             row[F_CHUNK], row[F_MB] = t.chunk, t.microbatch
             if not first:
@@ -356,9 +325,11 @@ def compile_schedule(schedule: Schedule, *, residuals: bool = True) -> Program:
                 row[GRAD_SLOT] = grad_slot[key]
             if residuals and not fuse:
                 row[RES_SLOT] = res_slot[key]
+            if s.split_backward and key not in weight_fused:
+                row[WRITE_WRES] = wres_slot[key]
             if not first:
                 rows[t.tick, (t.stage - 1) % p, RECV_GRAD] = grad_slot[(t.stage - 1, t.microbatch)]
-        work[t.tick][t.device] = Branch(fwd, bwd, fuse)
+        work[t.tick][t.device] = Branch(fwd, bwd, fuse, wgt, wfuse)
     segments = _segments(rows, work)
     return Program(schedule=s, rows=rows, segments=segments, residuals=residuals,
-                   act_slots=n_act, grad_slots=n_grad, res_slots=n_res)
+                   act_slots=n_act, grad_slots=n_grad, res_slots=n_res, wres_slots=n_wres)

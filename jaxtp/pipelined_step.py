@@ -180,6 +180,9 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
                 return parts.stage(chunk, x, parts.rope(sd["positions"], sd["segment_ids"]))
         else:  # one sequence per row: the same RoPE tables for every micro-batch
             side, rope = None, parts.rope(batch["positions"][: tokens.shape[1]])
+            # varying over `pipeline` as a tick's operands are: a stage's backward then casts
+            # nothing (ZB-H1's B / W split runs it as a jaxpr traced once, outside the ticks)
+            rope = jax.tree.map(lambda a: pipeline.vary_over(a, {PIPELINE}), rope)
 
             def stage(chunk, x):
                 return parts.stage(chunk, x, rope)

@@ -96,6 +96,8 @@ def _schedules(s: Shape, deg: dict, local_batch: int, space: SearchSpace,
                                          or activations == "jaxtp")
             if gpipe or (name == "1f1b" and m >= p):
                 yield name, 1, m
+            elif name == "zb1" and m >= p and activations == "jaxtp":
+                yield name, 1, m  # a runtime of jaxtp's (Megatron's prices its own passes)
             elif name == "interleaved" and m >= p and m % p == 0:
                 for v in divisors(s.layers // p)[1:]:
                     yield name, v, m

@@ -39,8 +39,12 @@ def split_vjp(vjp_fn, params) -> tuple[Recipe, list[jax.Array]]:
     return Recipe(treedef, tuple(sources)), stored
 
 
+def vjp_leaves(recipe: Recipe, params, stored: list[jax.Array]) -> list[jax.Array]:
+    """The VJP function's leaves, in order, from the stored leaves and the stage's parameters."""
+    p = jax.tree.leaves(params)
+    return [p[s] if s >= 0 else stored[-1 - s] for s in recipe.sources]
+
+
 def join_vjp(recipe: Recipe, params, stored: list[jax.Array]):
     """The VJP function again, from the stored leaves and the stage's parameters."""
-    p = jax.tree.leaves(params)
-    return jax.tree_util.tree_unflatten(
-        recipe.treedef, [p[s] if s >= 0 else stored[-1 - s] for s in recipe.sources])
+    return jax.tree_util.tree_unflatten(recipe.treedef, vjp_leaves(recipe, params, stored))

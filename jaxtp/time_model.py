@@ -130,6 +130,10 @@ def step_time(s: Shape, layout: Layout, hw: Hardware, *,
         # interleaved: the one-pass-per-tick table's, an upper bound of its packed program's
         factor = ((m + p - 1) / m if v == 1 and m >= p or layout.pipeline_schedule == "gpipe"
                   else lockstep_factor(layout.pipeline_schedule, p, m, v, backward=bwd / fwd))
+        if layout.pipeline_schedule == "zb1" and m >= p:
+            # ZB-H1 packed as 1F1B, its cool-down's deferred W (half the backward) sharing
+            # ticks with the last B: (p - 1) W less (Program.lockstep_time, tested)
+            factor = (m + p - 1) / m - (p - 1) * (bwd / 2) / (m * (fwd + bwd))
         bubble = (factor - 1.0) * m * micro
     else:
         bubble = (p - 1) / v * micro

@@ -16,13 +16,16 @@ from jaxtp import pipeline as pl
 from jaxtp.config import ParallelConfig
 from jaxtp.mesh import build_mesh
 from jaxtp.schedules import ScheduleError
+from jaxtp.weight_grad import weight_einsum
 
 B, S, H, F = 4, 4, 16, 32  # global batch (split over `data`), seq, hidden, mlp
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
 def stage_fn(w, x):  # a residual MLP block: [b, s, h] -> [b, s, h]
-    return x + jnp.tanh(x @ w["w1"]) @ w["w2"]
+    # weight_einsum: plain einsum, marked for ZB-H1's B / W split (jaxtp.weight_grad) under zb1
+    h = jnp.tanh(weight_einsum("bsh,hf->bsf", x, w["w1"]))
+    return x + weight_einsum("bsf,fh->bsh", h, w["w2"])
 
 
 def loss_fn(y, t):
@@ -67,7 +70,7 @@ def _mesh(p, **others):
 
 
 CASES = [(name, p, m, 2 if name == "interleaved" else 1)
-         for name in schedules.SCHEDULES if name != "zb1"  # a table only, not run yet
+         for name in schedules.SCHEDULES
          for p in (2, 4) for m in (p, 2 * p)]
 
 
@@ -263,13 +266,19 @@ def test_embedding_on_stage_0_and_loss_head_on_the_last(name, p, m, v):
     np.testing.assert_allclose(d_head["w"], want[2]["w"], **TOL)
 
 
-def test_zero_bubble_table_is_not_run_yet():
-    """ZB-H1 (schedules.build("zb1", ...)) is a simulated table; the runtime refuses it rather
-    than run its W passes as backward ones, and the config does not offer it."""
-    from jaxtp import config
-    from jaxtp.config import ConfigError
-
-    with pytest.raises(schedules.ScheduleError, match="runs F and B passes only"):
-        pl.compile_schedule(schedules.build("zb1", 2, 4))
-    with pytest.raises(ConfigError, match="pipeline_schedule"):
-        config.load("tiny", ["parallel.pipeline_schedule=zb1"])
+def test_zero_bubble_packs_w_into_the_bubble():
+    """ZB-H1's packed program: every rank runs its m F, B and W; ticks carry F + B + W in the
+    steady state and the deferred W s share the cool-down's ticks, so at F = B = W its lock-step
+    time is 1F1B's (at B = 2F) less (p - 1) F, in as many ticks; it needs stored residuals."""
+    for p, m in ((2, 4), (2, 8), (4, 4), (4, 8)):
+        zb = pl.compile_schedule(schedules.build("zb1", p, m))
+        one = pl.compile_schedule(schedules.build("1f1b", p, m))
+        for r in range(p):
+            ran = [b for b in zb.executed(r) if b is not None]
+            assert [sum(getattr(b, k) is not None for b in ran)
+                    for k in ("forward", "backward", "weight")] == [m, m, m]
+        assert zb.ticks == one.ticks
+        assert zb.lockstep_time(1, 1, 1) == one.lockstep_time(1, 2) - (p - 1)
+        assert zb.wres_slots == p - 1 and zb.res_slots == one.res_slots
+    with pytest.raises(ScheduleError, match="residuals=True"):
+        pl.compile_schedule(schedules.build("zb1", 2, 4), residuals=False)

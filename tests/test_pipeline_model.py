@@ -48,6 +48,16 @@ CASES = [
     pytest.param(_pipe("interleaved", 4, 4, 2) + ["model.n_layers=8", "parallel.data=2",
                                                   "parallel.remat=selective"],
                  id="interleaved-p4v2-dp2-gspmd"),
+    # ZB-H1: the backward split into B (input cotangent) and W (weight gradients)
+    pytest.param(_pipe("zb1", 2, 2) + ["parallel.data=2", "parallel.model=2",
+                                       "model.tie_embeddings=true", "parallel.zero_stage=3"],
+                 id="zb1-p2-dp2-tp2-tied-zero3-gspmd"),
+    pytest.param(_pipe("zb1", 4, 4) + ["parallel.data=2", "parallel.mode=explicit",
+                                       "parallel.remat=selective"],
+                 id="zb1-p4-dp2-selective-explicit"),
+    pytest.param(_pipe("zb1", 2, 2) + ["parallel.model=4", "parallel.data=1",
+                                       "parallel.sequence_parallel=true",
+                                       "parallel.mode=explicit"], id="zb1-p2-tp4-sp-explicit"),
 ]
 
 
@@ -102,13 +112,15 @@ def test_census_only_activations_cross_pipeline(mode, sp):
                 ("all-gather", "reduce-scatter", "all-to-all")]
 
 
-@pytest.mark.parametrize("remat, ratio", [("none", 1.0), ("full", 5 / 4)])
-def test_matmul_flops_equal_the_unpipelined_step(remat, ratio):
+@pytest.mark.parametrize("schedule, remat, ratio", [("1f1b", "none", 1.0), ("1f1b", "full", 5 / 4),
+                                                    ("zb1", "none", 1.0)])
+def test_matmul_flops_equal_the_unpipelined_step(schedule, remat, ratio):
     """Compiled matmul FLOPs per step over all ranks (each pipeline rank's own branch
     frequencies), against the same batch on data=8: under remat=none the backward reads the
     forward's residuals, so no forward matmul runs twice (the dots per layer per micro-batch are
     the unpipelined step's); under remat=full the backward recomputes its stage (5F against the
-    unpipelined full recompute's 4F). tiny, 4 layers, p=2 x data=4, 1F1B, m=4."""
+    unpipelined full recompute's 4F); ZB-H1's B and W split the backward without repeating a
+    matmul. tiny, 4 layers, p=2 x data=4, 1F1B / ZB-H1, m=4."""
     from jaxtp import hlo
 
     def flops(cfg):
@@ -121,7 +133,7 @@ def test_matmul_flops_equal_the_unpipelined_step(remat, ratio):
 
     common = ["model.n_layers=4", "train.seq_len=32", "train.batch_size=32",
               f"parallel.remat={remat}"]
-    piped = flops(config.load("tiny", [*common, *_pipe("1f1b", 2, 4), "parallel.data=4"]))
+    piped = flops(config.load("tiny", [*common, *_pipe(schedule, 2, 4), "parallel.data=4"]))
     flat = flops(config.load("tiny", [*common, "parallel.data=8"]))
     assert piped / flat == pytest.approx(ratio, rel=0.02)
 

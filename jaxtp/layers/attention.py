@@ -24,6 +24,7 @@ from flax import nnx
 from jaxtp.config import ModelConfig
 from jaxtp.layers import param, residual_std
 from jaxtp.layers.norm import rms_norm
+from jaxtp.weight_grad import weight_einsum
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
@@ -105,7 +106,7 @@ class Attention(nnx.Module):
         (RoPE applied to q and k). Decode (:mod:`jaxtp.decode`) stores k and v in its cache."""
         cdt = self.compute_dtype
         h = ops.copy_to_model(x).astype(cdt)                                   # f; (B, S, D)
-        qkv = jnp.einsum("bsd,dkgh->bskgh", h, self.w_qkv[...].astype(cdt))  # (B, S, K, G+2, H)
+        qkv = weight_einsum("bsd,dkgh->bskgh", h, self.w_qkv[...].astype(cdt))  # (B, S, K, G+2, H)
         if hasattr(self, "b_qkv"):
             qkv = qkv + self.b_qkv[...].astype(cdt)
         g = self.q_per_kv
@@ -124,5 +125,5 @@ class Attention(nnx.Module):
     def project_out(self, o: jax.Array, ops) -> jax.Array:
         """The row-parallel output projection and ``g``: ``o [B,S,N,H] -> [B,S,D]``."""
         o = ops.constrain(o, "batch", "seq", "heads", "head_dim")
-        out = jnp.einsum("bsnh,nhd->bsd", o, self.wo[...].astype(self.compute_dtype))
+        out = weight_einsum("bsnh,nhd->bsd", o, self.wo[...].astype(self.compute_dtype))
         return ops.reduce_from_model(out)                                     # g; {U_model} -> D

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxtp.config import ModelConfig
 from jaxtp.layers import param, residual_std
+from jaxtp.weight_grad import weight_einsum
 
 
 class MLP(nnx.Module):
@@ -33,12 +34,12 @@ class MLP(nnx.Module):
         cdt = self.compute_dtype
         h = ops.copy_to_model(x).astype(cdt)                                  # f; (B, S, D)
         if self.gated:
-            gate_up = jnp.einsum("bsd,dcf->bscf", h, self.w_up[...].astype(cdt))  # (B, S, 2, F)
+            gate_up = weight_einsum("bsd,dcf->bscf", h, self.w_up[...].astype(cdt))  # (B, S, 2, F)
             act = _swiglu(gate_up)
         else:
-            act = _gelu(jnp.einsum("bsd,df->bsf", h, self.w_up[...].astype(cdt)))
+            act = _gelu(weight_einsum("bsd,df->bsf", h, self.w_up[...].astype(cdt)))
         act = ops.constrain(act, "batch", "seq", "mlp")
-        out = jnp.einsum("bsf,fd->bsd", act, self.w_down[...].astype(cdt))   # (B, S, D){U_model}
+        out = weight_einsum("bsf,fd->bsd", act, self.w_down[...].astype(cdt))   # (B, S, D){U_model}
         return ops.reduce_from_model(out)                                    # g
 
 

@@ -50,10 +50,12 @@ from flax import nnx
 from jaxtp import validate
 from jaxtp.axes import BATCH_AXES, CONTEXT
 from jaxtp.axes import EXPERT as EXPERT_AXIS
+
 # the two all-to-alls of expert parallelism live with the other collectives; re-exported here
 from jaxtp.collectives import EXPERT, combine_from_experts, dispatch_to_experts
 from jaxtp.config import ConfigError
 from jaxtp.layers import param, residual_std
+from jaxtp.weight_grad import weight_einsum
 
 # Mesh axes that shard tokens: the statistics of the routing are averaged over them. `pipeline`
 # is not one (different stages hold different layers) and `model` holds copies of the same tokens
@@ -225,18 +227,18 @@ class MoE(nnx.Module):
         """Every (local) expert's MLP on its slots: ``[E, G, C, D] -> [E, G, C, D]{U_model}``."""
         cdt = self.compute_dtype
         if self.gated:
-            gate_up = jnp.einsum("egcd,edtf->egctf", x, self.w_up[...].astype(cdt))
+            gate_up = weight_einsum("egcd,edtf->egctf", x, self.w_up[...].astype(cdt))
             act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]       # (E, G, C, F)
         else:
-            act = jax.nn.gelu(jnp.einsum("egcd,edf->egcf", x, self.w_up[...].astype(cdt)))
+            act = jax.nn.gelu(weight_einsum("egcd,edf->egcf", x, self.w_up[...].astype(cdt)))
         act = ops.constrain(act, "experts", "batch_no_expert", None, "mlp")
-        return jnp.einsum("egcf,efd->egcd", act, self.w_down[...].astype(cdt))
+        return weight_einsum("egcf,efd->egcd", act, self.w_down[...].astype(cdt))
 
     def __call__(self, x: jax.Array, ops) -> tuple[jax.Array, dict]:
         cdt = self.compute_dtype
         parallel = _expert_axis_is_manual()
         h = ops.copy_to_model(x)                                              # f; (B, S, D)
-        logits = jnp.einsum("gsd,de->gse", h.astype(jnp.float32),
+        logits = weight_einsum("gsd,de->gse", h.astype(jnp.float32),
                             self.w_router[...].astype(jnp.float32))           # (G, S, E) fp32
         capacity = expert_capacity(h.shape[1], self.settings)  # a group: one row (of this rank)
         dispatch, combine, stats = route(logits, self.settings, capacity)
