@@ -272,10 +272,11 @@ class _Run:
                                             self.nothing, None)
             if fwd is not None:
                 y, loss, acc, kept, own = self._forward(fwd, ops, acc)
-            if bwd is not None:
-                dx, acc, wres = self._backward(bwd, ops, acc, (kept, own) if fused else None)
-            if wgt is not None:
-                acc = self._weight(ops, acc, wres if wfused else None)
+            if bwd is not None:  # B and W of one micro-batch in one tick: the joint backward
+                dx, acc, wres = self._backward(bwd, ops, acc, (kept, own) if fused else None,
+                                               split=wgt is None or not wfused)
+            if wgt is not None and not wfused:
+                acc = self._weight(ops, acc, None)
             kept = self._no_res() if kept is None else kept
             wres = self._no_wres() if wres is None else wres
             return ((y, dx, loss, acc) + ((kept, own) if keeps else ())
@@ -307,16 +308,18 @@ class _Run:
         loss = vary_over(loss.astype(jnp.float32), self.loss_vma)
         return self.nothing, loss, (sg, eg, hg), kept, vary_over(dy, self.act_vma)
 
-    def _backward(self, step: Step, ops: _Operands, acc, direct):
+    def _backward(self, step: Step, ops: _Operands, acc, direct, split: bool = True):
         """``B``: the stage's backward from its stored residuals (``direct``: those of the
-        forward just run, and its loss cotangent), or recomputing its forward first."""
+        forward just run, and its loss cotangent), or recomputing its forward first; for a split
+        backward, only its input-gradient part and what ``W`` needs (``split=False``: with the
+        weight gradients, as when ``W`` follows in the same tick)."""
         sg, eg, hg = acc
         pc, raw = self._chunk(ops.bc), ops.raw_b
         wres = None
         if self.prog.residuals:
             kept, g = direct if direct is not None else (
                 [read(b, ops.res_slot) for b in ops.res], ops.g)
-            if self.prog.split:  # B: the input cotangent; keep what W needs
+            if self.prog.split and split:  # B: the input cotangent; keep what W needs
                 outs, wres = weight_grad.run_known(self.bw, vjp_leaves(self.recipe, pc, kept), g)
                 dpc, dx = None, outs[-1]
                 sg = add_chunk_leaves(sg, ops.bc, outs[:-1])
