@@ -21,6 +21,11 @@ that more micro-batches means more work per step, as in the papers:
    after a warm-up). On this machine the 8 simulated devices share the host's cores, so the
    step time measures total work plus per-tick overhead, not a pipeline's wall-clock bubble.
 
+4. Wall clock with one device per core (full run only): ``p = 2`` pipeline ranks on 2 of the
+   devices, no data parallelism, a wider model (``d_model = 256``, 8 layers, ``b = 4``,
+   ``s = 128``), so that an idle rank leaves its core idle and the bubble costs time as on real
+   accelerators; GPipe, 1F1B and ZB-H1 in interleaved rounds (A B C, then C B A), medians.
+
 Combinations a schedule cannot run are skipped and listed (1F1B, interleaved and ZB-H1 need
 ``m >= p``, interleaved ``m % p == 0``). Exits non-zero unless the executed bubble equals the
 formula for every row, 1F1B's temporaries are flat (at most 1.1x) over the m >= 2p - 2 at which
@@ -132,6 +137,58 @@ def measure(row: dict, n_layers: int, repeats: int) -> dict:
             "flops": flops, "flops_ratio": flops / unpipelined_flops(row["p"], row["m"], n_layers),
             "step_s": statistics.median(times), "step_spread": max(times) / min(times),
             "compile_s": compile_s}
+
+
+WALL = dict(d_model=256, n_layers=8, b=4, s=128, p=2, ms=(4, 8), rounds=5)
+
+
+def wall_rows() -> list[dict]:
+    """Section 4: step times on ``p`` devices with one core each, interleaved rounds."""
+    w, out = WALL, []
+    if os.cpu_count() < w["p"]:
+        return out
+    for m in w["ms"]:
+        steps = {}
+        for name in ("gpipe", "1f1b", "zb1"):
+            cfg = config.load("tiny", [
+                f"model.n_layers={w['n_layers']}", f"model.d_model={w['d_model']}",
+                f"model.d_ff={4 * w['d_model']}", f"train.seq_len={w['s']}",
+                f"parallel.pipeline={w['p']}", f"parallel.pipeline_schedule={name}",
+                f"train.microbatches={m}", "parallel.data=1", f"train.batch_size={m * w['b']}"])
+            eng = engine.build(cfg, jax.devices()[:w["p"]])
+            compiled = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile()
+            args = (eng.init_params(), eng.shard_batch(testing.random_batch(cfg)))
+            jax.block_until_ready(compiled(*args))  # warm-up
+            steps[name] = functools.partial(compiled, *args)
+        times = {name: [] for name in steps}
+        for r in range(w["rounds"]):
+            for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+                t0 = time.perf_counter()
+                jax.block_until_ready(steps[name]())
+                times[name].append(time.perf_counter() - t0)
+        for name, ts in times.items():
+            prog = pipeline.compile_schedule(
+                schedules.build(name, w["p"], m),
+                residuals=pipeline_program.stores_residuals(name, "none"))
+            out.append(dict(schedule=name, m=m, step_s=statistics.median(ts),
+                            spread=max(ts) / min(ts),
+                            lockstep=prog.lockstep_time(1.0, 2.0 if prog.residuals else 3.0)))
+        print("wall", m, {r["schedule"]: f"{r['step_s'] * 1e3:.0f} ms" for r in out[-3:]},
+              flush=True)
+    return out
+
+
+def wall_table(rows: list[dict]) -> str:
+    lines = ["| m | schedule | step ms (median) | slowest / fastest run | / GPipe's | / 1F1B's | "
+             "lock-step (F=1) | / 1F1B's |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        g, o = (next(x for x in rows if x["m"] == r["m"] and x["schedule"] == n)
+                for n in ("gpipe", "1f1b"))
+        lines.append(f"| {r['m']} | {r['schedule']} | {r['step_s'] * 1e3:.0f} | "
+                     f"{r['spread']:.2f} | {r['step_s'] / g['step_s']:.2f} | "
+                     f"{r['step_s'] / o['step_s']:.2f} | {r['lockstep']:.0f} | "
+                     f"{r['lockstep'] / o['lockstep']:.2f} |")
+    return "\n".join(lines)
 
 
 def run(quick: bool) -> tuple[list[dict], list[str], tuple[float, float]]:
@@ -345,7 +402,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def write_report(rows: list[dict], skipped: list[str], *, wall: float, quick: bool, out: Path,
-                 load: tuple[float, float] | None = None) -> None:
+                 load: tuple[float, float] | None = None, walls: list[dict] = ()) -> None:
     """The markdown table with its findings, and the plot."""
     n_layers = grid(quick)[2]
     command = "python experiments/pipeline_bubble.py" + (" --quick" if quick else "")
@@ -387,10 +444,27 @@ def write_report(rows: list[dict], skipped: list[str], *, wall: float, quick: bo
         f"![pipeline bubble](pipeline_bubble{suffix}.png)",
         "",
     ]
+    if walls:
+        w = WALL
+        md += [
+            "## Wall clock, one device per core",
+            "",
+            f"p = {w['p']} pipeline ranks on {w['p']} of the simulated devices (this host has "
+            f"{os.cpu_count()} cores), data = 1; `tiny` widened to d_model = {w['d_model']}, "
+            f"d_ff = {4 * w['d_model']}, n_layers = {w['n_layers']}, seq_len = {w['s']}, "
+            f"micro-batch b = {w['b']}; {w['rounds']} interleaved rounds of `loss_and_grad` "
+            "(GPipe, 1F1B, ZB-H1, then the reverse), after one warm-up each. Here a rank with "
+            "nothing to do leaves its core idle, so the bubble costs wall time.",
+            "",
+            wall_table(list(walls)),
+            "",
+        ]
     (out / f"pipeline_bubble{suffix}.md").write_text("\n".join(md))
     _plot(rows, out / f"pipeline_bubble{suffix}.png")
     print(text)
     print("\n".join(f"- {s}" for s in findings(rows, load)))
+    if walls:
+        print(wall_table(list(walls)))
     print(f"wall {wall:.1f} s")
 
 
@@ -403,8 +477,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     rows, skipped, load = run(args.quick)
+    walls = [] if args.quick else wall_rows()
     write_report(rows, skipped, wall=time.perf_counter() - t0, quick=args.quick, out=out,
-                 load=load)
+                 load=load, walls=walls)
     bad = _check(rows)
     for line in bad:
         print("MISMATCH", line)

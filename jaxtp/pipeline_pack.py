@@ -12,12 +12,16 @@ def in_flight_cap(s: Schedule, device: int) -> int:
     to the last stage and back takes ``2 (p - 1 - d) + 1`` ticks, so with the table's ``p - d``
     in flight the rank would idle the rest of the trip and the step take 1.1-1.5x GPipe's; with
     ``2 (p - d) - 1`` every steady-state tick pairs a forward with a backward and the step takes
-    GPipe's ``(m + p - 1) (F + B)`` -- still independent of ``m``. ZB-H1 takes the same cap
-    (a micro-batch is held until its ``W``): its ticks then carry ``F + B + W`` in the steady
-    state, and the cool-down's deferred ``W`` s share ticks with the last ``B`` s, ``(p - 1) F``
-    less than 1F1B's step at ``W = B = F``."""
-    if s.name in ("1f1b", "zb1"):
+    GPipe's ``(m + p - 1) (F + B)`` -- still independent of ``m``. ZB-H1 holds a micro-batch
+    until its ``W``, and stage ``d`` defers ``d`` of them, so its cap is ``d`` more,
+    ``2 p - d - 1`` (with 1F1B's cap the middle ranks of p = 8 stalled: 1.12x 1F1B's lock-step
+    time at m = 16): its ticks then carry ``F + B + W`` in the steady state, and the
+    cool-down's deferred ``W`` s share ticks with the last ``B`` s, ``(p - 1) F`` less than
+    1F1B's step at ``W = B = F``, holding 1F1B's residual sets plus ``p - 1`` of ``W`` inputs."""
+    if s.name == "1f1b":
         return min(max(2 * (s.p - device) - 1, s.in_flight(device)), s.m)
+    if s.name == "zb1":
+        return min(max(2 * s.p - device - 1, s.in_flight(device)), s.m)
     return s.in_flight(device)
 
 

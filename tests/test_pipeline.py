@@ -270,7 +270,8 @@ def test_zero_bubble_packs_w_into_the_bubble():
     """ZB-H1's packed program: every rank runs its m F, B and W; ticks carry F + B + W in the
     steady state and the deferred W s share the cool-down's ticks, so at F = B = W its lock-step
     time is 1F1B's (at B = 2F) less (p - 1) F, in as many ticks; it needs stored residuals."""
-    for p, m in ((2, 4), (2, 8), (4, 4), (4, 8)):
+    for p, m in ((2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (8, 16), (8, 32)):  # p = 8, m >= 2p:
+        # the middle ranks stalled with 1F1B's in-flight cap
         zb = pl.compile_schedule(schedules.build("zb1", p, m))
         one = pl.compile_schedule(schedules.build("1f1b", p, m))
         for r in range(p):
