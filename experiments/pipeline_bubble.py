@@ -31,7 +31,7 @@ Combinations a schedule cannot run are skipped and listed (1F1B, interleaved and
 formula for every row, 1F1B's temporaries are flat (at most 1.1x) over the m >= 2p - 2 at which
 its slots stop growing, and GPipe's grow by at least its extra slots of stage inputs.
 Usage: ``python experiments/pipeline_bubble.py [--out DIR] [--quick]``
-(full: p in {2, 4, 8}, m in {4, 8, 16}, about 6 minutes on 2 shared cores; --quick: p = 2,
+(full: p in {2, 4, 8}, m in {4, 8, 16}, about 7 minutes on 2 shared cores; --quick: p = 2,
 m in {4, 8}, n_layers = 4, GPipe and 1F1B only, one timed run each).
 """
 
