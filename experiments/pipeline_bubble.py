@@ -139,55 +139,178 @@ def measure(row: dict, n_layers: int, repeats: int) -> dict:
             "compile_s": compile_s}
 
 
-WALL = dict(d_model=256, n_layers=8, b=4, s=128, p=2, ms=(4, 8), rounds=5)
+# Section 4: two widths. ZB-H1's B hands each linear's input and output cotangent to its W
+# (memory traffic ~ d per token) while the matmuls grow ~ d^2: the split costs more at d = 256
+# than at d = 1024 on a CPU core (section 5 measures it).
+WALLS = (dict(d_model=256, n_layers=8, b=4, s=128, rounds=5),
+         dict(d_model=1024, n_layers=8, b=2, s=128, rounds=3))
+WALL_P, WALL_MS = 2, (4, 8)
+
+
+def _wall_cfg(w: dict, name: str, m: int, p: int = WALL_P) -> config.Config:
+    return config.load("tiny", [
+        f"model.n_layers={w['n_layers']}", f"model.d_model={w['d_model']}",
+        f"model.d_ff={4 * w['d_model']}", f"train.seq_len={w['s']}",
+        f"parallel.pipeline={p}", f"parallel.pipeline_schedule={name}",
+        f"train.microbatches={m}", "parallel.data=1", f"train.batch_size={m * w['b']}"])
 
 
 def wall_rows() -> list[dict]:
     """Section 4: step times on ``p`` devices with one core each, interleaved rounds."""
-    w, out = WALL, []
-    if os.cpu_count() < w["p"]:
+    out = []
+    if os.cpu_count() < WALL_P:
         return out
-    for m in w["ms"]:
-        steps = {}
-        for name in ("gpipe", "1f1b", "zb1"):
-            cfg = config.load("tiny", [
-                f"model.n_layers={w['n_layers']}", f"model.d_model={w['d_model']}",
-                f"model.d_ff={4 * w['d_model']}", f"train.seq_len={w['s']}",
-                f"parallel.pipeline={w['p']}", f"parallel.pipeline_schedule={name}",
-                f"train.microbatches={m}", "parallel.data=1", f"train.batch_size={m * w['b']}"])
-            eng = engine.build(cfg, jax.devices()[:w["p"]])
-            compiled = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile()
-            args = (eng.init_params(), eng.shard_batch(testing.random_batch(cfg)))
-            jax.block_until_ready(compiled(*args))  # warm-up
-            steps[name] = functools.partial(compiled, *args)
-        times = {name: [] for name in steps}
-        for r in range(w["rounds"]):
-            for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
-                t0 = time.perf_counter()
-                jax.block_until_ready(steps[name]())
-                times[name].append(time.perf_counter() - t0)
-        for name, ts in times.items():
-            prog = pipeline.compile_schedule(
-                schedules.build(name, w["p"], m),
-                residuals=pipeline_program.stores_residuals(name, "none"))
-            out.append(dict(schedule=name, m=m, step_s=statistics.median(ts),
-                            spread=max(ts) / min(ts),
-                            lockstep=prog.lockstep_time(1.0, 2.0 if prog.residuals else 3.0)))
-        print("wall", m, {r["schedule"]: f"{r['step_s'] * 1e3:.0f} ms" for r in out[-3:]},
-              flush=True)
+    for w in WALLS:
+        for m in WALL_MS:
+            steps = {}
+            for name in ("gpipe", "1f1b", "zb1"):
+                cfg = _wall_cfg(w, name, m)
+                eng = engine.build(cfg, jax.devices()[:WALL_P])
+                compiled = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile()
+                args = (eng.init_params(), eng.shard_batch(testing.random_batch(cfg)))
+                jax.block_until_ready(compiled(*args))  # warm-up
+                steps[name] = functools.partial(compiled, *args)
+            times = {name: [] for name in steps}
+            for r in range(w["rounds"]):
+                for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(steps[name]())
+                    times[name].append(time.perf_counter() - t0)
+            for name, ts in times.items():
+                prog = pipeline.compile_schedule(
+                    schedules.build(name, WALL_P, m),
+                    residuals=pipeline_program.stores_residuals(name, "none"))
+                out.append(dict(schedule=name, m=m, d_model=w["d_model"], b=w["b"],
+                                step_s=statistics.median(ts), spread=max(ts) / min(ts),
+                                lockstep=prog.lockstep_time(1.0, 2.0 if prog.residuals else 3.0)))
+            print("wall", w["d_model"], m,
+                  {r["schedule"]: f"{r['step_s'] * 1e3:.0f} ms" for r in out[-3:]}, flush=True)
     return out
 
 
+def _wall_twin(rows: list[dict], r: dict, name: str) -> dict:
+    return next(x for x in rows if (x["d_model"], x["m"], x["schedule"])
+                == (r["d_model"], r["m"], name))
+
+
 def wall_table(rows: list[dict]) -> str:
-    lines = ["| m | schedule | step ms (median) | slowest / fastest run | / GPipe's | / 1F1B's | "
-             "lock-step (F=1) | / 1F1B's |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| d_model | m | schedule | step ms (median) | slowest / fastest run | / GPipe's | "
+             "/ 1F1B's | lock-step (F=1) | / 1F1B's |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        g, o = (next(x for x in rows if x["m"] == r["m"] and x["schedule"] == n)
-                for n in ("gpipe", "1f1b"))
-        lines.append(f"| {r['m']} | {r['schedule']} | {r['step_s'] * 1e3:.0f} | "
+        g, o = (_wall_twin(rows, r, n) for n in ("gpipe", "1f1b"))
+        lines.append(f"| {r['d_model']} | {r['m']} | {r['schedule']} | {r['step_s'] * 1e3:.0f} | "
                      f"{r['spread']:.2f} | {r['step_s'] / g['step_s']:.2f} | "
                      f"{r['step_s'] / o['step_s']:.2f} | {r['lockstep']:.0f} | "
                      f"{r['lockstep'] / o['lockstep']:.2f} |")
+    return "\n".join(lines)
+
+
+def split_rows(repeats: int = 5) -> list[dict]:
+    """Section 5: one stage (``n_layers / p`` layers) on one device, its forward, its backward
+    from the stored VJP residuals (as 1F1B runs it), and the same backward split into ZB-H1's
+    B (input gradient, keeping what W needs) and W (weight gradients)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from jaxtp import stage_residuals, weight_grad  # noqa: PLC0415
+
+    def timed(f, *args):
+        jax.block_until_ready(f(*args))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    out = []
+    for w in WALLS:
+        d, b, s = w["d_model"], w["b"], w["s"]
+        cfg = config.load("tiny", [f"model.n_layers={w['n_layers'] // WALL_P}",
+                                   f"model.d_model={d}", f"model.d_ff={4 * d}",
+                                   f"train.seq_len={s}", "parallel.data=1",
+                                   f"train.batch_size={b}"])
+        eng = engine.build(cfg, jax.devices()[:1])
+        parts = pipelined_step._Parts(eng.layout, eng.region, manual=False)
+        blocks = eng.init_params()["blocks"]
+        rope = parts.rope(jnp.broadcast_to(jnp.arange(s), (b, s)))
+        x = jax.random.normal(jax.random.key(0), (b, s, d))
+        g = jax.random.normal(jax.random.key(1), (b, s, d))
+
+        def stage(pc, x):
+            return parts.stage(pc, x, rope)
+
+        with weight_grad.splitting(True):
+            _, vjp = jax.vjp(stage, blocks, x)
+        recipe, stored = stage_residuals.split_vjp(vjp, blocks)
+        leaves, vjp_def = jax.tree_util.tree_flatten(vjp)
+        bw = weight_grad.split(
+            lambda lv, g: jax.tree.leaves(jax.tree_util.tree_unflatten(vjp_def, lv)(g)),
+            leaves, g)
+        markers = [leaves[i] for i in bw.markers]
+
+        def forward(pc, x):
+            with weight_grad.splitting(True):
+                y, vjp = jax.vjp(stage, pc, x)
+            return y, stage_residuals.split_vjp(vjp, pc)[1]
+
+        def joint(pc, kept, g):
+            return stage_residuals.join_vjp(recipe, pc, kept)(g)
+
+        def backward_b(pc, kept, g):
+            outs, wres = weight_grad.run_known(bw, stage_residuals.vjp_leaves(recipe, pc, kept),
+                                               g)
+            return outs[-1], [o for o in outs[:-1] if o is not None], wres
+
+        def backward_w(wres, markers):
+            return [o for o in weight_grad.run_unknown(bw, wres, markers) if o is not None]
+
+        f_s = timed(jax.jit(forward), blocks, x)
+        joint_s = timed(jax.jit(joint), blocks, stored, g)
+        b_s = timed(jax.jit(backward_b), blocks, stored, g)
+        wres = jax.jit(backward_b)(blocks, stored, g)[2]
+        w_s = timed(jax.jit(backward_w), wres, markers)
+        out.append(dict(d_model=d, b=b, s=s, layers=w["n_layers"] // WALL_P, f_s=f_s,
+                        joint_s=joint_s, b_s=b_s, w_s=w_s,
+                        wres_mib=sum(a.size * a.dtype.itemsize for a in wres) / 2**20))
+        print("split", {k: (f"{v * 1e3:.1f} ms" if k.endswith("_s") else v)
+                        for k, v in out[-1].items()}, flush=True)
+    return out
+
+
+def wall_findings(walls: list[dict], splits: list[dict]) -> list[str]:
+    """One line per width: 1F1B against GPipe, ZB-H1 against 1F1B (and what its lock-step
+    predicts), and what splitting the backward cost there (section 5)."""
+    lines = []
+    for w in WALLS:
+        rows = [r for r in walls if r["d_model"] == w["d_model"]]
+        if not rows:
+            continue
+        ratio = {n: [_wall_twin(rows, r, n) for r in rows if r["schedule"] == "zb1"]
+                 for n in ("gpipe", "1f1b", "zb1")}
+        f_g = [o["step_s"] / g["step_s"] for o, g in zip(ratio["1f1b"], ratio["gpipe"])]
+        z_o = [z["step_s"] / o["step_s"] for z, o in zip(ratio["zb1"], ratio["1f1b"])]
+        z_lock = [z["lockstep"] / o["lockstep"] for z, o in zip(ratio["zb1"], ratio["1f1b"])]
+        sp = next((x for x in splits if x["d_model"] == w["d_model"]), None)
+        cost = ("" if sp is None else
+                f"; splitting the backward costs {(sp['b_s'] + sp['w_s']) / sp['joint_s']:.2f}x "
+                f"the joint one there (section below)")
+        ms = ", ".join(str(r["m"]) for r in ratio["zb1"])
+        lines.append(f"d_model = {w['d_model']}, m = {ms}: "
+                     f"1F1B {_span(f_g)}x GPipe's step; ZB-H1 {_span(z_o)}x 1F1B's (lock-step "
+                     f"{_span(z_lock)}x){cost}.")
+    return lines
+
+
+def split_table(rows: list[dict]) -> str:
+    lines = ["| d_model | layers | b x s | F ms | backward ms (1F1B) | B ms | W ms | "
+             "(B + W) / backward | B -> W hand-off MiB |", "|---:|---:|---|---:|---:|---:|"
+             "---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['d_model']} | {r['layers']} | {r['b']} x {r['s']} | "
+                     f"{r['f_s'] * 1e3:.0f} | {r['joint_s'] * 1e3:.0f} | {r['b_s'] * 1e3:.0f} | "
+                     f"{r['w_s'] * 1e3:.0f} | {(r['b_s'] + r['w_s']) / r['joint_s']:.2f} | "
+                     f"{r['wres_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -402,7 +525,8 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 
 def write_report(rows: list[dict], skipped: list[str], *, wall: float, quick: bool, out: Path,
-                 load: tuple[float, float] | None = None, walls: list[dict] = ()) -> None:
+                 load: tuple[float, float] | None = None, walls: list[dict] = (),
+                 splits: list[dict] = ()) -> None:
     """The markdown table with its findings, and the plot."""
     n_layers = grid(quick)[2]
     command = "python experiments/pipeline_bubble.py" + (" --quick" if quick else "")
@@ -445,18 +569,34 @@ def write_report(rows: list[dict], skipped: list[str], *, wall: float, quick: bo
         "",
     ]
     if walls:
-        w = WALL
+        widths = ", ".join(f"d_model = {w['d_model']} (micro-batch b = {w['b']}, "
+                           f"{w['rounds']} rounds)" for w in WALLS)
         md += [
             "## Wall clock, one device per core",
             "",
-            f"p = {w['p']} pipeline ranks on {w['p']} of the simulated devices (this host has "
-            f"{os.cpu_count()} cores), data = 1; `tiny` widened to d_model = {w['d_model']}, "
-            f"d_ff = {4 * w['d_model']}, n_layers = {w['n_layers']}, seq_len = {w['s']}, "
-            f"micro-batch b = {w['b']}; {w['rounds']} interleaved rounds of `loss_and_grad` "
-            "(GPipe, 1F1B, ZB-H1, then the reverse), after one warm-up each. Here a rank with "
-            "nothing to do leaves its core idle, so the bubble costs wall time.",
+            f"p = {WALL_P} pipeline ranks on {WALL_P} of the simulated devices (this host has "
+            f"{os.cpu_count()} cores), data = 1; `tiny` widened to {widths}, d_ff = 4 d_model, "
+            f"n_layers = {WALLS[0]['n_layers']}, seq_len = {WALLS[0]['s']}; interleaved "
+            "rounds of `loss_and_grad` (GPipe, 1F1B, ZB-H1, then the reverse), after one "
+            "warm-up each. Here a rank with nothing to do leaves its core idle, so the bubble "
+            "costs wall time.",
             "",
             wall_table(list(walls)),
+            "",
+            *[f"- {line}" for line in wall_findings(list(walls), list(splits))],
+            "",
+        ]
+    if splits:
+        md += [
+            "## What splitting the backward costs",
+            "",
+            f"One stage ({splits[0]['layers']} layers) on one device, jitted alone, median of "
+            "5 runs: its forward (keeping the VJP residuals), its backward from them as 1F1B "
+            "runs it, and the same backward as ZB-H1's two passes: B (the input gradient; it "
+            "also writes each linear's input and output cotangent for W, the hand-off) and W "
+            "(the weight gradients from them).",
+            "",
+            split_table(list(splits)),
             "",
         ]
     (out / f"pipeline_bubble{suffix}.md").write_text("\n".join(md))
@@ -465,6 +605,8 @@ def write_report(rows: list[dict], skipped: list[str], *, wall: float, quick: bo
     print("\n".join(f"- {s}" for s in findings(rows, load)))
     if walls:
         print(wall_table(list(walls)))
+    if splits:
+        print(split_table(list(splits)))
     print(f"wall {wall:.1f} s")
 
 
@@ -478,8 +620,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows, skipped, load = run(args.quick)
     walls = [] if args.quick else wall_rows()
+    splits = [] if args.quick else split_rows()
     write_report(rows, skipped, wall=time.perf_counter() - t0, quick=args.quick, out=out,
-                 load=load, walls=walls)
+                 load=load, walls=walls, splits=splits)
     bad = _check(rows)
     for line in bad:
         print("MISMATCH", line)
