@@ -21,17 +21,20 @@ that more micro-batches means more work per step, as in the papers:
    after a warm-up). On this machine the 8 simulated devices share the host's cores, so the
    step time measures total work plus per-tick overhead, not a pipeline's wall-clock bubble.
 
-4. Wall clock with one device per core (full run only): ``p = 2`` pipeline ranks on 2 of the
-   devices, no data parallelism, a wider model (``d_model = 256``, 8 layers, ``b = 4``,
-   ``s = 128``), so that an idle rank leaves its core idle and the bubble costs time as on real
-   accelerators; GPipe, 1F1B and ZB-H1 in interleaved rounds (A B C, then C B A), medians.
+4. Wall clock on two devices (full run only): ``p = 2`` pipeline ranks on 2 of the devices of
+   this 2-core host, no data parallelism, wider models (8 layers, ``s = 128``; ``d_model = 256``
+   with ``b = 4`` and ``d_model = 1024`` with ``b = 2``), so that an idle rank's time shows in
+   the wall clock (XLA:CPU's intra-op pool may lend its core to the busy rank, so less than on
+   accelerators); GPipe, 1F1B and ZB-H1 in interleaved rounds (A B C, then C B A), medians.
+5. What splitting the backward costs (full run only): one stage on one device, its forward, its
+   backward from the stored residuals, and ZB-H1's B and W passes, timed alone.
 
 Combinations a schedule cannot run are skipped and listed (1F1B, interleaved and ZB-H1 need
 ``m >= p``, interleaved ``m % p == 0``). Exits non-zero unless the executed bubble equals the
 formula for every row, 1F1B's temporaries are flat (at most 1.1x) over the m >= 2p - 2 at which
 its slots stop growing, and GPipe's grow by at least its extra slots of stage inputs.
 Usage: ``python experiments/pipeline_bubble.py [--out DIR] [--quick]``
-(full: p in {2, 4, 8}, m in {4, 8, 16}, about 7 minutes on 2 shared cores; --quick: p = 2,
+(full: p in {2, 4, 8}, m in {4, 8, 16}, about 16 minutes on 2 cores; --quick: p = 2,
 m in {4, 8}, n_layers = 4, GPipe and 1F1B only, one timed run each).
 """
 
@@ -572,14 +575,15 @@ def write_report(rows: list[dict], skipped: list[str], *, wall: float, quick: bo
         widths = ", ".join(f"d_model = {w['d_model']} (micro-batch b = {w['b']}, "
                            f"{w['rounds']} rounds)" for w in WALLS)
         md += [
-            "## Wall clock, one device per core",
+            "## Wall clock, two devices on two cores",
             "",
             f"p = {WALL_P} pipeline ranks on {WALL_P} of the simulated devices (this host has "
             f"{os.cpu_count()} cores), data = 1; `tiny` widened to {widths}, d_ff = 4 d_model, "
             f"n_layers = {WALLS[0]['n_layers']}, seq_len = {WALLS[0]['s']}; interleaved "
             "rounds of `loss_and_grad` (GPipe, 1F1B, ZB-H1, then the reverse), after one "
-            "warm-up each. Here a rank with nothing to do leaves its core idle, so the bubble "
-            "costs wall time.",
+            "warm-up each. A rank with nothing to do leaves its core to XLA:CPU's shared "
+            "intra-op thread pool, which may run the busy rank's matmuls on it: the bubble costs "
+            "wall time, but less than on accelerators.",
             "",
             wall_table(list(walls)),
             "",
