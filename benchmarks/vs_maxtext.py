@@ -147,16 +147,50 @@ def maxtext_env(dump: str | None = None) -> dict:
 
 
 # ---- one run of each side -------------------------------------------------------------------
-def run_maxtext(a, layout: str, census: bool, tries: int = 2) -> dict:
-    """One MaxText run; a run that dies before its last step is retried once (MaxText 0.2.5 on
-    this host sometimes aborts, SIGABRT, mid-run), a death after its last step is accepted."""
+def cpu_seconds_of(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (Linux ``/proc``), ``None`` elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_watched(cmd: list[str], env: dict, stall_s: float = 90.0, timeout_s: float = 1800.0,
+                poll_s: float = 5.0) -> subprocess.CompletedProcess:
+    """``subprocess.run`` that kills the process (return code -9) once it has used less than
+    one CPU second in ``stall_s`` seconds: MaxText 0.2.5 on jax 0.12's XLA:CPU sometimes
+    deadlocks mid-run, its 8 devices waiting at different all-reduces (seen 2026-12-06; with
+    the collective limit at 900 s it would otherwise sit idle for 15 minutes, then abort)."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+        start = last_t = time.monotonic()
+        last_cpu = cpu_seconds_of(proc.pid)
+        while proc.poll() is None:
+            time.sleep(poll_s)
+            now, cpu = time.monotonic(), cpu_seconds_of(proc.pid)
+            if cpu is not None and last_cpu is not None and cpu - last_cpu >= 1.0:
+                last_t, last_cpu = now, cpu
+            if now - last_t > stall_s or now - start > timeout_s:
+                why = ("timed out" if now - start > timeout_s
+                       else f"no CPU progress for {now - last_t:.0f} s")
+                print(f"  killing pid {proc.pid}: {why}", flush=True)
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), "")
+
+
+def run_maxtext(a, layout: str, census: bool, tries: int = 3) -> dict:
+    """One MaxText run; a run that dies or stalls before its last step is retried (MaxText
+    0.2.5 on this host sometimes aborts, SIGABRT, or deadlocks mid-run), a death after its last
+    step is accepted."""
     for attempt in range(tries):
         with tempfile.TemporaryDirectory() as tmp:
             dump = str(Path(tmp) / "hlo") if census else None
             cmd = [str(maxtext_python()), str(HERE / "maxtext_runner.py"),
                    *maxtext_args(a, layout, a.steps, str(Path(tmp) / "out"))]
-            r = subprocess.run(cmd, capture_output=True, text=True, env=maxtext_env(dump),
-                               timeout=1800, check=False)
+            r = run_watched(cmd, maxtext_env(dump))
             log = r.stdout + r.stderr
             times = {int(m.group(1)): float(m.group(2))
                      for m in re.finditer(r"completed step: (\d+), seconds: ([\d.]+)", log)}

@@ -24,3 +24,25 @@ def test_vs_maxtext_smoke_runs_jaxtp_side_only(tmp_path):
     assert "| data=2 x model=4 |" in text
     assert "all-reduce over model" in text and "params: jaxtp 115008" in text
     assert "remat: jaxtp `parallel.remat=none`; MaxText `remat_policy=full`" in text
+
+
+def _vs_maxtext_module():
+    import importlib.util  # noqa: PLC0415
+    spec = importlib.util.spec_from_file_location("vs_maxtext", REPO / "benchmarks/vs_maxtext.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_watched_kills_a_stalled_process_and_keeps_a_working_one():
+    """The MaxText runs' watchdog: a process that uses no CPU for ``stall_s`` is killed (a
+    deadlocked MaxText sat idle for minutes), one that works and ends is left alone."""
+    mod = _vs_maxtext_module()
+    env = dict(os.environ)
+    stalled = mod.run_watched([sys.executable, "-c", "import time; print('up', flush=True); "
+                               "time.sleep(60)"], env, stall_s=2.0, poll_s=0.2)
+    assert stalled.returncode == -9 and "up" in stalled.stdout
+    busy = mod.run_watched([sys.executable, "-c", "import time\nt = time.time()\n"
+                            "while time.time() - t < 4: pass\nprint('done')"],
+                           env, stall_s=4.0, poll_s=0.2)
+    assert busy.returncode == 0 and busy.stdout.strip() == "done"
