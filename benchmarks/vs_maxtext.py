@@ -161,7 +161,8 @@ def run_watched(cmd: list[str], env: dict, stall_s: float = 90.0, timeout_s: flo
     """``subprocess.run`` that kills the process (return code -9) once it has used less than
     one CPU second in ``stall_s`` seconds: MaxText 0.2.5 on jax 0.12's XLA:CPU sometimes
     deadlocks mid-run, its 8 devices waiting at different all-reduces (seen 2026-12-06; with
-    the collective limit at 900 s it would otherwise sit idle for 15 minutes, then abort)."""
+    the collective limit at 900 s it would otherwise sit idle for 15 minutes, then abort).
+    Without ``/proc`` (not Linux) only ``timeout_s`` applies."""
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
         start = last_t = time.monotonic()
@@ -171,7 +172,8 @@ def run_watched(cmd: list[str], env: dict, stall_s: float = 90.0, timeout_s: flo
             now, cpu = time.monotonic(), cpu_seconds_of(proc.pid)
             if cpu is not None and last_cpu is not None and cpu - last_cpu >= 1.0:
                 last_t, last_cpu = now, cpu
-            if now - last_t > stall_s or now - start > timeout_s:
+            stalled = last_cpu is not None and now - last_t > stall_s
+            if stalled or now - start > timeout_s:
                 why = ("timed out" if now - start > timeout_s
                        else f"no CPU progress for {now - last_t:.0f} s")
                 print(f"  killing pid {proc.pid}: {why}", flush=True)

@@ -159,7 +159,8 @@ def _wall_cfg(w: dict, name: str, m: int, p: int = WALL_P) -> config.Config:
 
 
 def wall_rows() -> list[dict]:
-    """Section 4: step times on ``p`` devices with one core each, interleaved rounds."""
+    """Section 4: step times on ``p`` of the devices (this host's cores shared by them),
+    interleaved rounds."""
     out = []
     if os.cpu_count() < WALL_P:
         return out

@@ -46,3 +46,6 @@ def test_run_watched_kills_a_stalled_process_and_keeps_a_working_one():
                             "while time.time() - t < 4: pass\nprint('done')"],
                            env, stall_s=4.0, poll_s=0.2)
     assert busy.returncode == 0 and busy.stdout.strip() == "done"
+    too_long = mod.run_watched([sys.executable, "-c", "while True: pass"], env, stall_s=60.0,
+                               timeout_s=1.0, poll_s=0.2)
+    assert too_long.returncode == -9  # busy, but past timeout_s
