@@ -134,8 +134,17 @@ def install_maxtext() -> None:
     subprocess.run([*pip, "--no-deps", *MAXTEXT_MODULES[4:]], check=True)
 
 
-def maxtext_env(dump: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+def side_env(drop: tuple[str, ...], preload: str | None) -> dict:
+    """The environment both sides run in: this one, less ``drop``, with ``--preload`` (a host
+    allocator, e.g. tcmalloc) in ``LD_PRELOAD`` for both."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    if preload:
+        env["LD_PRELOAD"] = preload
+    return env
+
+
+def maxtext_env(dump: str | None = None, preload: str | None = None) -> dict:
+    env = side_env(("XLA_FLAGS", "PYTHONPATH"), preload)
     # 8 simulated devices on a loaded 2-core host can take longer than XLA:CPU's default 40 s to
     # meet at a collective, which aborts the process; both sides get the longer limit
     flags = f"--xla_force_host_platform_device_count=8 {COLLECTIVE_TIMEOUT}"
@@ -192,7 +201,7 @@ def run_maxtext(a, layout: str, census: bool, tries: int = 3) -> dict:
             dump = str(Path(tmp) / "hlo") if census else None
             cmd = [str(maxtext_python()), str(HERE / "maxtext_runner.py"),
                    *maxtext_args(a, layout, a.steps, str(Path(tmp) / "out"))]
-            r = run_watched(cmd, maxtext_env(dump))
+            r = run_watched(cmd, maxtext_env(dump, a.preload))
             log = r.stdout + r.stderr
             times = {int(m.group(1)): float(m.group(2))
                      for m in re.finditer(r"completed step: (\d+), seconds: ([\d.]+)", log)}
@@ -219,7 +228,7 @@ def run_jaxtp(a, layout: str, census: bool) -> dict:
                "--json", str(Path(tmp) / "w.json"), *worker_flags(a)]
         if census:
             cmd.append("--census")
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env = side_env(("XLA_FLAGS",), a.preload)
         env["XLA_FLAGS"] = COLLECTIVE_TIMEOUT
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800,
                            check=False)
@@ -297,7 +306,8 @@ def config_differences(a) -> list[str]:
             "- both: fp32 params and compute, AdamW + clip 1.0, scanned layers, no dropout, "
             "GSPMD / Shardy partitioning from logical names; SP row: jaxtp "
             "`parallel.sequence_parallel=true` on model=4, MaxText "
-            "`ici_tensor_sequence_parallelism=4`"]
+            "`ici_tensor_sequence_parallelism=4`",
+            f"- host allocator (both): {a.preload or 'glibc malloc (the default)'}"]
 
 
 def measure(a, layout: str, have_maxtext: bool) -> dict:
@@ -399,6 +409,9 @@ def main() -> None:
     p.add_argument("--out", default=str(common.RESULTS))
     p.add_argument("--name", default="vs_maxtext", help="results/<name>.{md,json}")
     p.add_argument("--hlo-dir", default=None, help="write both compiled steps' HLO text here")
+    p.add_argument("--preload", default=None,
+                   help="a host allocator both sides run with (LD_PRELOAD), e.g. "
+                        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     for flag, default in [("--d-model", 512), ("--layers", 4), ("--heads", 8), ("--d-ff", 1408),
                           ("--vocab", 256), ("--seq", 256), ("--batch", 16)]:
         p.add_argument(flag, type=int, default=default)

@@ -102,24 +102,33 @@ def program(name: str, p: int, m: int, v: int, residuals: bool) -> Program | Non
         return None
 
 
+def residual_buffer(p: int, m: int) -> int:
+    """Residual sets in the buffer of jaxtp's 1F1B / ZB-H1 program (``Program.buffer_slots
+    ("res")``, tested against it): ``min(2p - 2, m)`` slots, and a scratch slot for the
+    ticks that write nothing while every slot is live, which happens when ``m < 2p - 2``. A
+    closed form, so that the planner compiles no program per candidate layout."""
+    return min(2 * p - 2, m + 1)
+
+
 def in_flight(layout: Layout, activations: str = "jaxtp") -> float:
     """Micro-batches of activations a stage holds at its peak, in units of its full L/p layers.
 
     jaxtp's pipeline runtime (unless ``remat=full``, when it keeps only stage inputs and
-    recomputes) keeps each forward's VJP residuals in ``res_slots`` slots of its compiled program
-    (:mod:`jaxtp.pipeline_program`; 1F1B ``min(2p - 2, m)``; GPipe recomputes), plus three
-    residual-sized buffers: the scratch slot, the tick's branch output, and the backward's copy
-    of its slot. Interleaved pipelines are priced by Megatron-LM's warm-up, as before."""
+    recomputes) keeps each forward's VJP residuals in the residual buffer of its compiled
+    program (:func:`residual_buffer`; GPipe recomputes), plus two residual-sized buffers: the
+    tick's branch output and the backward's copy of its slot. Interleaved pipelines are priced
+    by Megatron-LM's warm-up, as before."""
     p, m, v = layout.pipeline, layout.microbatches, layout.virtual_stages
     if p == 1:
         return 1.0  # gradient accumulation: each micro-batch's backward frees it
     if (activations == "jaxtp" and v == 1
             and stores_residuals(layout.pipeline_schedule, layout.remat)):
-        # 1F1B's Program.res_slots (tests/test_pipeline.py); ZB-H1 also holds, from a B to its
-        # W, each linear's input and output cotangent (priced as a residual set) for p - 1
-        # micro-batches (Program.wres_slots), and two such buffers more
-        extra = (p - 1) + 2.0 if layout.pipeline_schedule == "zb1" else 0.0
-        return min(2 * p - 2, m) + 3.0 + extra
+        held = residual_buffer(p, m) + 2.0
+        if layout.pipeline_schedule == "zb1":
+            # ZB-H1 also holds, from a B to its W, each linear's input and output cotangent
+            # (priced as a residual set) for p - 1 micro-batches, and B's output of them
+            held += (p - 1) + 1.0
+        return held
     if layout.pipeline_schedule == "gpipe":
         return float(m)
     if layout.pipeline_schedule == "1f1b":

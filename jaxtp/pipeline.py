@@ -189,11 +189,11 @@ class _Run:
         rank = jax.lax.axis_index(self.axis)
         rows = jnp.take(jnp.asarray(self.prog.rows), rank, axis=1)  # [ticks, columns]: this rank's
         prog = self.prog
-        carry = (zeros((prog.act_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
-                 zeros((prog.grad_slots + 1, *self.x_shape), self.x_dtype, self.act_vma),
-                 [zeros((prog.res_slots + 1, *a.shape), a.dtype, a.vma) for a in self.res_types],
-                 [zeros((prog.wres_slots + 1, *a.shape), a.dtype, a.vma)
-                  for a in self.wres_types],
+        size = prog.buffer_slots
+        carry = (zeros((size("act"), *self.x_shape), self.x_dtype, self.act_vma),
+                 zeros((size("grad"), *self.x_shape), self.x_dtype, self.act_vma),
+                 [zeros((size("res"), *a.shape), a.dtype, a.vma) for a in self.res_types],
+                 [zeros((size("wres"), *a.shape), a.dtype, a.vma) for a in self.wres_types],
                  (zeros_like(self.params), zeros_like(self.eparams),
                   zeros_like(self.hparams)), self.zero_loss)
         self.send = sender(self.axis, send_split)

@@ -55,5 +55,5 @@ def read(buf, slot):
     return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
 
 
-def write(buf, slot, value):  # unused writes go to the buffer's last (scratch) slot
+def write(buf, slot, value):  # an unused write goes to a dead or the scratch slot
     return jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)

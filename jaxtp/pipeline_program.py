@@ -27,7 +27,11 @@ Two ways to run a backward (``residuals``):
   before the backward, GPipe's per-stage full recompute (Huang et al. 2019, sec. 2.3): only stage
   inputs are stored, 4F of work per micro-batch.
 
-Unused slot columns hold the buffer's scratch slot (its last), so every write is unconditional.
+Every write is unconditional: a column with nothing to write names a slot whose content is dead
+at that moment (its occupant read for the last time, its next one not written yet), and only a
+buffer with a moment when every slot is live gets one slot more, a scratch slot (its last). The
+residual buffers, a whole stage's VJP residuals per slot, need none unless ``m = p`` (a rank then
+holds all ``m`` sets at once); the one-slot activation and cotangent buffers always do.
 """
 
 from __future__ import annotations
@@ -97,7 +101,9 @@ class Program:
     residuals); the slots written: ``WRITE_RES`` and ``OWN_GRAD`` (the forward's residuals and the
     last stage's loss cotangent, before the tick's backward), ``RECV_ACT`` / ``RECV_GRAD`` (what
     arrives from rank ``r - 1`` / ``r + 1`` at the end of the tick). A column with nothing to read
-    or write holds its buffer's scratch slot (``*_slots``).
+    holds slot 0; one with nothing to write, a slot that is dead then, or the buffer's scratch
+    slot (``*_slots``) if it has one (``scratch``: the buffers that do, of ``act``, ``grad``,
+    ``res``, ``wres``; :meth:`buffer_slots` is a buffer's size).
     """
 
     schedule: Schedule
@@ -108,6 +114,14 @@ class Program:
     grad_slots: int         # output cotangents held per rank
     res_slots: int          # VJP residual sets held per rank (F -> B; 0 when recomputing)
     wres_slots: int = 0     # weight-gradient inputs held per rank (B -> W; split backward only)
+    scratch: frozenset[str] = frozenset({"act", "grad", "res", "wres"})
+
+    def buffer_slots(self, name: str) -> int:
+        """Entries of buffer ``name`` (``act``, ``grad``, ``res``, ``wres``): its slots, and its
+        scratch slot if it needs one."""
+        n = {"act": self.act_slots, "grad": self.grad_slots, "res": self.res_slots,
+             "wres": self.wres_slots}[name]
+        return n + (name in self.scratch)
 
     @property
     def split(self) -> bool:
@@ -201,6 +215,14 @@ def _assign_slots(lifetimes: list[tuple[int, int, Any]]) -> tuple[dict[Any, int]
     return slot_of, len(free_at)
 
 
+def _dead_slots(lifetimes: list[tuple[int, int, Any]], slot_of: dict, n: int,
+                at_time: int) -> list[int]:
+    """The slots of one rank's buffer whose content is dead at ``at_time`` (a write time): no
+    occupant written at or before it is read after it."""
+    live = {slot_of[key] for a, b, key in lifetimes if a <= at_time < b}
+    return [s for s in range(n) if s not in live]
+
+
 def _colour(per_rank: list[list]) -> tuple[dict, int]:
     """Slots for every rank's lifetimes; the size is the busiest rank's (at least 1)."""
     slot, n = {}, 1
@@ -290,9 +312,9 @@ def compile_schedule(schedule: Schedule, *, residuals: bool = True) -> Program:
     wres_slot, n_wres = _colour(wres) if s.split_backward else ({}, 0)
     rows = np.zeros((ticks, p, N_COLUMNS), np.int32)
     for col, n in ((ACT_SLOT, n_act), (B_ACT_SLOT, n_act), (RECV_ACT, n_act), (GRAD_SLOT, n_grad),
-                   (RECV_GRAD, n_grad), (OWN_GRAD, n_grad), (RES_SLOT, n_res), (WRITE_RES, n_res),
-                   (WRES_SLOT, n_wres), (WRITE_WRES, n_wres)):
+                   (RECV_GRAD, n_grad), (OWN_GRAD, n_grad)):
         rows[:, :, col] = n  # the scratch slot
+    rows[:, :, [RES_SLOT, WRITE_RES, WRES_SLOT, WRITE_WRES]] = -1  # unused: filled in at the end
     work: dict[int, dict[int, Branch]] = {t: {} for t in range(ticks)}
     for t in table:
         first, last = t.stage == 0, t.stage == n_stages - 1
@@ -330,6 +352,28 @@ def compile_schedule(schedule: Schedule, *, residuals: bool = True) -> Program:
             if not first:
                 rows[t.tick, (t.stage - 1) % p, RECV_GRAD] = grad_slot[(t.stage - 1, t.microbatch)]
         work[t.tick][t.device] = Branch(fwd, bwd, fuse, wgt, wfuse)
+    scratch = {"act", "grad"}
+    for name, cols, lifetimes, slot_of, n in (("res", (RES_SLOT, WRITE_RES), res, res_slot, n_res),
+                                              ("wres", (WRES_SLOT, WRITE_WRES), wres, wres_slot,
+                                               n_wres)):
+        if _fill_unused(rows, *cols, lifetimes, slot_of, n):
+            scratch.add(name)
     segments = _segments(rows, work)
     return Program(schedule=s, rows=rows, segments=segments, residuals=residuals,
-                   act_slots=n_act, grad_slots=n_grad, res_slots=n_res, wres_slots=n_wres)
+                   act_slots=n_act, grad_slots=n_grad, res_slots=n_res, wres_slots=n_wres,
+                   scratch=frozenset(scratch))
+
+
+def _fill_unused(rows: np.ndarray, read_col: int, write_col: int, lifetimes: list[list],
+                 slot_of: dict, n: int) -> bool:
+    """Point a residual buffer's unused reads (``-1``) at slot 0 and each unused write at a slot
+    whose content is dead at that tick's write time (``4 t + 3``), or at the scratch slot ``n``
+    when every slot is live; ``True`` if some write needs the scratch slot."""
+    reads = rows[:, :, read_col]
+    reads[reads < 0] = 0
+    needs_scratch = False
+    for t, r in zip(*np.nonzero(rows[:, :, write_col] < 0)):
+        dead = _dead_slots(lifetimes[r], slot_of, n, 4 * int(t) + 3) if n else [0]
+        rows[t, r, write_col] = dead[0] if dead else n
+        needs_scratch |= not dead
+    return needs_scratch

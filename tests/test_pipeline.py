@@ -150,6 +150,46 @@ def test_buffer_slots(m):
         assert prog("interleaved", 2).res_slots == prog("interleaved", 2, 8).res_slots
 
 
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved", 2), ("zb1", 1)])
+def test_unused_writes_clobber_no_live_residuals(name, v):
+    """Replays every rank's program on its residual buffers (F -> B residual sets; ZB-H1's B -> W
+    inputs): each read finds the set its pass needs, although a tick without that pass writes
+    its (dead) output into a real slot; only when every slot is live at such a write
+    (m < 2p - 2) does a buffer get a scratch slot, as the planner's memory model says."""
+    from jaxtp import memory_model
+    from jaxtp import pipeline_program as col
+
+    for p, m in [(2, 2), (2, 4), (4, 4), (4, 5), (4, 8), (8, 8), (8, 16)]:
+        if name == "interleaved" and m % p:
+            continue
+        prog = pl.compile_schedule(schedules.build(name, p, m, v))
+        for r in range(p):
+            res, wres = {}, {}
+            for t, branch in enumerate(prog.executed(r)):
+                row = prog.rows[t, r]
+                stage = lambda c: int(c) * p + r  # noqa: E731  chunk c of rank r
+                if branch is not None and branch.backward and not branch.fused:
+                    assert res[row[col.RES_SLOT]] == (stage(row[col.B_CHUNK]), row[col.B_MB])
+                if branch is not None and branch.weight and not branch.weight_fused:
+                    assert wres[row[col.WRES_SLOT]] == (stage(row[col.W_CHUNK]), row[col.W_MB])
+                writes_res = branch is not None and branch.forward and not (
+                    branch.backward and branch.fused)
+                res[row[col.WRITE_RES]] = ((stage(row[col.F_CHUNK]), row[col.F_MB])
+                                           if writes_res else "dead")
+                if prog.split:
+                    writes_w = (branch is not None and branch.backward
+                                and not (branch.weight and branch.weight_fused))
+                    wres[row[col.WRITE_WRES]] = ((stage(row[col.B_CHUNK]), row[col.B_MB])
+                                                 if writes_w else "dead")
+                assert max(res, default=0) < prog.buffer_slots("res")
+                assert max(wres, default=0) < max(prog.buffer_slots("wres"), 1)
+        if m >= 2 * p - 2:  # some slot is dead at every write: no scratch slot
+            assert prog.buffer_slots("res") == prog.res_slots
+            assert prog.buffer_slots("wres") == prog.wres_slots
+        if name != "interleaved":  # the planner's closed form
+            assert prog.buffer_slots("res") == memory_model.residual_buffer(p, m), (p, m)
+
+
 def test_packed_ticks():
     """The runtime's ticks hold at most one F and one B per rank: 1F1B pairs them in its steady
     state (m + 2p - 2 ticks where the table has 2 (m + p - 1)) and so takes GPipe's lock-step

@@ -49,3 +49,15 @@ def test_run_watched_kills_a_stalled_process_and_keeps_a_working_one():
     too_long = mod.run_watched([sys.executable, "-c", "while True: pass"], env, stall_s=60.0,
                                timeout_s=1.0, poll_s=0.2)
     assert too_long.returncode == -9  # busy, but past timeout_s
+
+
+def test_both_sides_get_the_same_preloaded_allocator():
+    """``--preload`` puts one host allocator under both sides (``LD_PRELOAD``), with each side's
+    own XLA flags; without it neither gets one."""
+    mod = _vs_maxtext_module()
+    lib = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+    jaxtp_env, maxtext_env = mod.side_env(("XLA_FLAGS",), lib), mod.maxtext_env(None, lib)
+    assert jaxtp_env["LD_PRELOAD"] == maxtext_env["LD_PRELOAD"] == lib
+    assert "--xla_force_host_platform_device_count=8" in maxtext_env["XLA_FLAGS"]
+    assert "XLA_FLAGS" not in jaxtp_env
+    assert "LD_PRELOAD" not in mod.maxtext_env(None, None) or os.environ.get("LD_PRELOAD")
