@@ -28,6 +28,7 @@ import collections
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -320,7 +321,11 @@ def measure(a, layout: str, have_maxtext: bool) -> dict:
         for side in order:
             if side == "maxtext" and not have_maxtext:
                 continue
+            faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
             run = (run_jaxtp if side == "jaxtp" else run_maxtext)(a, layout, census=r == 0)
+            # minor page faults of the whole run (startup and compile included); sequential
+            # runs, so the children's total grows by this run's alone (a retried run: all tries)
+            run["faults"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults
             if "hlo" in run:
                 text = run.pop("hlo")
                 census[side] = census_rows(text, LAYOUTS[layout][2])
@@ -332,8 +337,10 @@ def measure(a, layout: str, have_maxtext: bool) -> dict:
                 census[side + "_params"] = run["params"]
             got[side] = run
             print(f"  round {r + 1} {side}: {steady(run, a.warmup, tokens):.0f} tokens/s "
-                  f"(steps {[round(t, 3) for t in run['times']]})", flush=True)
+                  f"(steps {[round(t, 3) for t in run['times']]}; {run['faults']:,} minor "
+                  "page faults)", flush=True)
         rounds.append({"order": order, **{s: steady(v, a.warmup, tokens) for s, v in got.items()},
+                       "faults": {s: v["faults"] for s, v in got.items()},
                        "host": (statistics.mean(got["jaxtp"]["host"][a.warmup:])
                                 / statistics.mean(got["jaxtp"]["times"][a.warmup:]))})
     return {"layout": layout, "rounds": rounds, "census": census}
@@ -359,8 +366,13 @@ def report(a, results: list[dict], blocked: str | None) -> str:
     if blocked:
         lines += [f"**MaxText not run**: {blocked}", ""]
     lines += ["| layout | jaxtp tokens/s per round | MaxText tokens/s per round | "
-              "ratio per round | median ratio | jaxtp host time / step |",
-              "|---|---|---|---|---:|---:|"]
+              "ratio per round | median ratio | jaxtp host time / step | minor page faults per "
+              "run, jaxtp / MaxText (median) |",
+              "|---|---|---|---|---:|---:|---:|"]
+    def faults(rs, side):
+        xs = [r["faults"][side] for r in rs if side in r.get("faults", {})]
+        return f"{statistics.median(xs) / 1e6:.2f} M" if xs else "-"
+
     for res in results:
         rs = res["rounds"]
         ratios = [r["jaxtp"] / r["maxtext"] for r in rs if "maxtext" in r]
@@ -370,7 +382,8 @@ def report(a, results: list[dict], blocked: str | None) -> str:
             f"{fmt(r['maxtext'] for r in rs if 'maxtext' in r)} | "
             f"{', '.join(f'{x:.2f}x' for x in ratios) or '-'} | "
             f"{f'{statistics.median(ratios):.2f}x' if ratios else '-'} | "
-            f"{100 * statistics.median(r['host'] for r in rs):.2f}% |")
+            f"{100 * statistics.median(r['host'] for r in rs):.2f}% | "
+            f"{faults(rs, 'jaxtp')} / {faults(rs, 'maxtext')} |")
     lines += ["", "Collective census of the compiled train step (per device per step: count, "
               "MiB; loop trip counts multiplied in):", ""]
     for res in results:

@@ -14,7 +14,7 @@ import pytest
 from jaxtp import cli, config, corpus, data
 from jaxtp.config import ConfigError, DataConfig
 from jaxtp.prepare import prepare
-from jaxtp.testing import kill_when_saved
+from jaxtp.testing import kill_when_saved, train_env
 
 DOCS = [f"document {i}: " + "abcdefghij"[i % 10] * (3 + 7 * i % 41) for i in range(60)]
 
@@ -273,7 +273,7 @@ def _cmd(out, *overrides):
 def test_exact_resume_after_kill_9_with_a_mixture(tmp_path):
     mix = _two_sources(tmp_path, reps=30)
     steps = ["train.steps=30", "train.checkpoint_every=10", mix]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = train_env()
     full, killed = tmp_path / "full", tmp_path / "killed"
     subprocess.run(_cmd(full, *steps), env=env, check=True, capture_output=True, timeout=300)
     kill_when_saved(_cmd(killed, *steps), env, killed / "checkpoints" / "20")

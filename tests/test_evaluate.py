@@ -15,6 +15,7 @@ import pytest
 import jaxtp
 from jaxtp import evaluate
 from jaxtp.config import ConfigError
+from jaxtp.testing import train_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,7 +83,7 @@ def test_bad_inputs(successor_model, tmp_path):
 
 
 def _jaxtp(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = train_env()
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "jaxtp", *args], capture_output=True, text=True,
                           check=False,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from jaxtp import cli
+from jaxtp.testing import train_env
 
 TINY = ["train.log_every=5", "train.eval_every=1000", "train.eval_batches=1"]
 
@@ -162,7 +163,7 @@ def test_read_only_out_dir(capsys, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = train_env()
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]),
                                          env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env

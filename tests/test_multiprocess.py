@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxtp.testing import train_env
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ["--config", "tiny", "train.steps=20", "train.log_every=5", "train.eval_every=20",
           "parallel.data=2", "parallel.model=4"]
@@ -31,7 +33,7 @@ def _free_port() -> int:
 
 def _env(**extra: str) -> dict[str, str]:
     # conftest's XLA_FLAGS would fix 8 devices per process; --devices sets the count instead.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = train_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env | extra
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxtp import config, train
-from jaxtp.testing import kill_when_saved
+from jaxtp.testing import kill_when_saved, train_env
 
 COMMON = ["train.log_every=5", "train.eval_every=1000", "train.eval_batches=1"]
 
@@ -25,7 +25,7 @@ def _cmd(out, *overrides):
 
 
 def _env():
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return train_env()
 
 
 def test_loss_decreases_and_records_metrics(tmp_path):
