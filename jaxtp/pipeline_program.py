@@ -30,8 +30,9 @@ Two ways to run a backward (``residuals``):
 Every write is unconditional: a column with nothing to write names a slot whose content is dead
 at that moment (its occupant read for the last time, its next one not written yet), and only a
 buffer with a moment when every slot is live gets one slot more, a scratch slot (its last). The
-residual buffers, a whole stage's VJP residuals per slot, need none unless ``m = p`` (a rank then
-holds all ``m`` sets at once); the one-slot activation and cotangent buffers always do.
+residual buffers, a whole stage's VJP residuals per slot, need none once ``m >= 2p - 2`` (with
+fewer, a rank meets a tick that keeps nothing while all its sets are live); the one-slot
+activation and cotangent buffers always do.
 """
 
 from __future__ import annotations
