@@ -1,7 +1,7 @@
 """Eight simulated CPU devices for every test, set before jax is imported (with a cheaper LLVM
-optimisation level, below); one persistent
-compilation cache per session for the tests' ``jaxtp train`` subprocesses
-(:func:`jaxtp.testing.train_env`; in-process compiles never use it)."""
+optimisation level, below); one persistent compilation cache per session for the tests'
+``jaxtp train`` subprocesses (:func:`jaxtp.testing.train_env`; in-process compiles never use
+it)."""
 
 import atexit
 import os
