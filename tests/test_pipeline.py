@@ -186,8 +186,9 @@ def test_unused_writes_clobber_no_live_residuals(name, v):
         if m >= 2 * p - 2:  # some slot is dead at every write: no scratch slot
             assert prog.buffer_slots("res") == prog.res_slots
             assert prog.buffer_slots("wres") == prog.wres_slots
-        if name != "interleaved":  # the planner's closed form
+        if name != "interleaved":  # the planner's closed form (ZB-H1: p - 1 sets of W inputs)
             assert prog.buffer_slots("res") == memory_model.residual_buffer(p, m), (p, m)
+            assert prog.buffer_slots("wres") == (p - 1 if prog.split else 0), (p, m)
 
 
 def test_packed_ticks():
