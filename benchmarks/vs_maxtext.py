@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from jaxtp import host_malloc  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("JAXTP_MAXTEXT_VENV", Path.home() / ".cache/jaxtp/maxtext-venv"))
@@ -135,17 +136,34 @@ def install_maxtext() -> None:
     subprocess.run([*pip, "--no-deps", *MAXTEXT_MODULES[4:]], check=True)
 
 
-def side_env(drop: tuple[str, ...], preload: str | None) -> dict:
-    """The environment both sides run in: this one, less ``drop``, with ``--preload`` (a host
-    allocator, e.g. tcmalloc) in ``LD_PRELOAD`` for both."""
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    if preload:
-        env["LD_PRELOAD"] = preload
+def allocator(a, side: str) -> dict:
+    """The host-allocator environment for ``side`` ("jaxtp" or "maxtext"): ``--preload LIB``
+    puts LIB under both (``LD_PRELOAD``); ``--host-malloc hugetlb`` glibc's transparent-huge-page
+    tunable under both; ``glibc`` neither; ``each`` (the default) runs each side the way its own
+    command would: jaxtp as ``jaxtp train`` does on a CPU host (:mod:`jaxtp.host_malloc`),
+    MaxText under glibc as ``train.py`` starts."""
+    if a.preload:
+        return {"LD_PRELOAD": a.preload}
+    if a.host_malloc == "hugetlb":
+        return {"GLIBC_TUNABLES": host_malloc.HUGETLB}
+    if a.host_malloc == "each" and side == "jaxtp":
+        env = {k: v for k, v in os.environ.items() if k != host_malloc.ENV}
+        change = host_malloc.plan({**env, "JAX_PLATFORMS": "cpu"}, ["train"])
+        return change[0] if change else {}
+    return {}
+
+
+def side_env(drop: tuple[str, ...], alloc: dict) -> dict:
+    """The environment a side runs in: this one, less ``drop``, with its host allocator
+    (:func:`allocator`) on top."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in drop and k != "JAXTP_HOST_MALLOC_APPLIED"}
+    env.update(alloc)
     return env
 
 
-def maxtext_env(dump: str | None = None, preload: str | None = None) -> dict:
-    env = side_env(("XLA_FLAGS", "PYTHONPATH"), preload)
+def maxtext_env(dump: str | None = None, alloc: dict | None = None) -> dict:
+    env = side_env(("XLA_FLAGS", "PYTHONPATH"), alloc or {})
     # 8 simulated devices on a loaded 2-core host can take longer than XLA:CPU's default 40 s to
     # meet at a collective, which aborts the process; both sides get the longer limit
     flags = f"--xla_force_host_platform_device_count=8 {COLLECTIVE_TIMEOUT}"
@@ -202,7 +220,7 @@ def run_maxtext(a, layout: str, census: bool, tries: int = 3) -> dict:
             dump = str(Path(tmp) / "hlo") if census else None
             cmd = [str(maxtext_python()), str(HERE / "maxtext_runner.py"),
                    *maxtext_args(a, layout, a.steps, str(Path(tmp) / "out"))]
-            r = run_watched(cmd, maxtext_env(dump, a.preload))
+            r = run_watched(cmd, maxtext_env(dump, allocator(a, "maxtext")))
             log = r.stdout + r.stderr
             times = {int(m.group(1)): float(m.group(2))
                      for m in re.finditer(r"completed step: (\d+), seconds: ([\d.]+)", log)}
@@ -229,7 +247,7 @@ def run_jaxtp(a, layout: str, census: bool) -> dict:
                "--json", str(Path(tmp) / "w.json"), *worker_flags(a)]
         if census:
             cmd.append("--census")
-        env = side_env(("XLA_FLAGS",), a.preload)
+        env = side_env(("XLA_FLAGS",), allocator(a, "jaxtp"))
         env["XLA_FLAGS"] = COLLECTIVE_TIMEOUT
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800,
                            check=False)
@@ -308,7 +326,20 @@ def config_differences(a) -> list[str]:
             "GSPMD / Shardy partitioning from logical names; SP row: jaxtp "
             "`parallel.sequence_parallel=true` on model=4, MaxText "
             "`ici_tensor_sequence_parallelism=4`",
-            f"- host allocator (both): {a.preload or 'glibc malloc (the default)'}"]
+            f"- host allocator: {allocator_line(a)}"]
+
+
+def allocator_line(a) -> str:
+    def name(env: dict) -> str:
+        if "LD_PRELOAD" in env:
+            return f"`LD_PRELOAD={env['LD_PRELOAD']}`"
+        if "GLIBC_TUNABLES" in env:
+            return f"glibc malloc, `GLIBC_TUNABLES={env['GLIBC_TUNABLES']}`"
+        return "glibc malloc (defaults)"
+    j, m = name(allocator(a, "jaxtp")), name(allocator(a, "maxtext"))
+    if j == m:
+        return f"{j} (both)"
+    return f"jaxtp {j} (as `jaxtp train` runs on a CPU host), MaxText {m} (`--host-malloc each`)"
 
 
 def measure(a, layout: str, have_maxtext: bool) -> dict:
@@ -422,8 +453,13 @@ def main() -> None:
     p.add_argument("--out", default=str(common.RESULTS))
     p.add_argument("--name", default="vs_maxtext", help="results/<name>.{md,json}")
     p.add_argument("--hlo-dir", default=None, help="write both compiled steps' HLO text here")
+    p.add_argument("--host-malloc", choices=("each", "glibc", "hugetlb"), default="each",
+                   help="each: every side as its own command runs it (jaxtp train: glibc with "
+                        "transparent huge pages on a CPU host; MaxText: glibc); glibc: both "
+                        "plain glibc; hugetlb: both with GLIBC_TUNABLES=glibc.malloc.hugetlb=1")
     p.add_argument("--preload", default=None,
-                   help="a host allocator both sides run with (LD_PRELOAD), e.g. "
+                   help="a host allocator both sides run with (LD_PRELOAD; overrides "
+                        "--host-malloc), e.g. "
                         "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
     for flag, default in [("--d-model", 512), ("--layers", 4), ("--heads", 8), ("--d-ff", 1408),
                           ("--vocab", 256), ("--seq", 256), ("--batch", 16)]:

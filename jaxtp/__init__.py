@@ -3,12 +3,31 @@
 The public API (the README's "Python API" section): ``jaxtp.config(preset, overrides)`` (the
 :mod:`jaxtp.config` module is callable), :class:`Model`, :class:`Trainer`, ``jaxtp.data.loaders``
 and ``jaxtp.prepare_data``.
+
+The names load on first use (PEP 562), so ``import jaxtp.host_malloc`` — what the ``jaxtp``
+command runs before anything else — does not import JAX.
 """
 
-from jaxtp import config, data
-from jaxtp.api import Config, ConfigError, Model, Trainer, run_config
-from jaxtp.prepare import prepare as prepare_data
+import importlib
 
 __version__ = "0.1.0"
+_FROM = {"Config": "jaxtp.api", "ConfigError": "jaxtp.api", "Model": "jaxtp.api",
+         "Trainer": "jaxtp.api", "run_config": "jaxtp.api", "prepare_data": "jaxtp.prepare"}
+_MODULES = ("config", "data")
 __all__ = ["Config", "ConfigError", "Model", "Trainer", "config", "data", "prepare_data",
            "run_config"]
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"jaxtp.{name}")
+    if name in _FROM:
+        module = importlib.import_module(_FROM[name])
+        value = getattr(module, "prepare" if name == "prepare_data" else name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxtp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

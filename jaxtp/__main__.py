@@ -1,5 +1,5 @@
 import sys
 
-from jaxtp.cli import main
+from jaxtp.launch import main
 
 sys.exit(main())

@@ -1,10 +1,13 @@
 """benchmarks/vs_maxtext.py, quickly: jaxtp's side only (MaxText is never installed here), tiny
 sizes; the table, the census and the host-time column come out."""
 
+import argparse
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from jaxtp import host_malloc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,13 +54,33 @@ def test_run_watched_kills_a_stalled_process_and_keeps_a_working_one():
     assert too_long.returncode == -9  # busy, but past timeout_s
 
 
-def test_both_sides_get_the_same_preloaded_allocator():
+def test_host_allocator_per_side():
     """``--preload`` puts one host allocator under both sides (``LD_PRELOAD``), with each side's
-    own XLA flags; without it neither gets one."""
+    own XLA flags; ``--host-malloc hugetlb`` glibc's huge-page tunable under both; ``glibc``
+    neither; ``each`` gives jaxtp what ``jaxtp train`` gives a CPU run and MaxText nothing."""
     mod = _vs_maxtext_module()
     lib = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-    jaxtp_env, maxtext_env = mod.side_env(("XLA_FLAGS",), lib), mod.maxtext_env(None, lib)
+
+    def args(host_malloc, preload=None):
+        return argparse.Namespace(host_malloc=host_malloc, preload=preload)
+
+    both = args("each", lib)
+    jaxtp_env = mod.side_env(("XLA_FLAGS",), mod.allocator(both, "jaxtp"))
+    maxtext_env = mod.maxtext_env(None, mod.allocator(both, "maxtext"))
     assert jaxtp_env["LD_PRELOAD"] == maxtext_env["LD_PRELOAD"] == lib
     assert "--xla_force_host_platform_device_count=8" in maxtext_env["XLA_FLAGS"]
     assert "XLA_FLAGS" not in jaxtp_env
     assert mod.maxtext_env(None, None).get("LD_PRELOAD") == os.environ.get("LD_PRELOAD")
+    hugetlb = args("hugetlb")
+    assert (mod.allocator(hugetlb, "jaxtp") == mod.allocator(hugetlb, "maxtext")
+            == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    assert mod.allocator(args("glibc"), "jaxtp") == mod.allocator(args("glibc"), "maxtext") == {}
+    each = args("each")
+    assert mod.allocator(each, "maxtext") == {}
+    expected = host_malloc.plan({"JAX_PLATFORMS": "cpu"}, ["train"])
+    if not any(k in os.environ for k in ("LD_PRELOAD", "GLIBC_TUNABLES")):
+        assert expected is not None and mod.allocator(each, "jaxtp") == expected[0]
+    assert "as `jaxtp train` runs" in mod.allocator_line(each)
+    assert mod.allocator_line(hugetlb).endswith("(both)")
+
+
