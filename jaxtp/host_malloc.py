@@ -85,9 +85,13 @@ def plan(environ: Mapping[str, str], argv: Sequence[str],
             f" {ENV}=off to run without)")
 
 
-def describe(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The line the re-executed process prints (None when it was not re-executed)."""
-    return environ.get("JAXTP_HOST_MALLOC_APPLIED") or None
+MARK = "JAXTP_HOST_MALLOC_APPLIED"
+
+
+def describe(environ: dict[str, str] | None = None) -> str | None:
+    """The line the re-executed process prints (None when it was not re-executed). Takes the
+    marker out of the environment, so a ``jaxtp`` command this process starts decides afresh."""
+    return (os.environ if environ is None else environ).pop(MARK, None) or None
 
 
 def reexec_if_needed(argv: Sequence[str] | None = None) -> None:
@@ -95,7 +99,7 @@ def reexec_if_needed(argv: Sequence[str] | None = None) -> None:
     environment; returns when nothing needs to change. A bad ``JAXTP_HOST_MALLOC`` exits with one
     line."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if os.environ.get("JAXTP_HOST_MALLOC_APPLIED"):
+    if os.environ.get(MARK):
         return
     try:
         change = plan(os.environ, argv)
@@ -103,7 +107,7 @@ def reexec_if_needed(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     if change is None:
         return
-    env = {**os.environ, **change[0], "JAXTP_HOST_MALLOC_APPLIED": change[1]}
+    env = {**os.environ, **change[0], MARK: change[1]}
     orig = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
     sys.stdout.flush()
     sys.stderr.flush()
