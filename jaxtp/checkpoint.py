@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
@@ -60,6 +61,25 @@ def _tensor_parallel_degree(tree) -> int:
         if isinstance(sharding, NamedSharding):
             return int(sharding.mesh.shape.get("model", 1))
     return 1
+
+
+@jax.jit
+def _device_copy(flat: dict) -> dict:
+    # new buffers with the same shardings: XLA never aliases an output to an undonated input
+    return {k: jnp.copy(v) for k, v in flat.items()}
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A train state ready to save (:meth:`Checkpointer.snapshot`): its arrays by checkpoint key
+    (copied on the devices when ``copied``) and their checksums and finite flag, still on the
+    devices."""
+
+    flat: dict[str, Any]
+    sums: dict[str, Any]
+    finite: Any
+    tensor_parallel: int
+    copied: bool
 
 
 class CheckpointSaveError(RuntimeError):
@@ -126,9 +146,26 @@ class Checkpointer:
         """The newest step saved (or being saved asynchronously), ``None`` if there is none."""
         return None if self._manager is None else self._manager.latest_step()
 
+    def snapshot(self, state, *, copy: bool = True) -> Snapshot:
+        """Start a save of ``state`` without waiting on the devices: its checksums are
+        dispatched and, with ``copy``, its arrays copied on the devices, so the next step may
+        donate ``state`` while :meth:`save` sends the copy to the host. The copy holds one train
+        state's device memory until that save returns."""
+        if self._layer_order is not None:
+            state = self._layer_order(state)
+        flat, _ = _flatten(state)
+        tp = _tensor_parallel_degree(state)
+        if copy:
+            flat = _device_copy(flat)
+        vocab, padded = self.cfg.model.vocab_size, self.cfg.model.padded_vocab_size(tp)
+        sums, finite = integrity.start_fingerprint(
+            flat, integrity.vocab_dims(flat, padded, vocab), vocab)
+        return Snapshot(flat, sums, finite, tp, copy)
+
     def save(self, step: int, state, *, data_state: dict, force: bool = False,
              params_only: bool = False) -> None:
-        """Start saving ``state`` at ``step``; returns once the arrays are copied off the devices.
+        """Start saving ``state`` (or a :meth:`snapshot` of it) at ``step``; returns once the
+        arrays are copied off the devices.
 
         A step at or behind the latest saved one is skipped unless ``force``; a step that already
         exists is never overwritten (that would risk the only good copy). ``params_only``:
@@ -137,23 +174,22 @@ class Checkpointer:
         manager = self._open()
         if step in manager.all_steps():
             return
-        if self._layer_order is not None:
-            state = self._layer_order(state)
-        flat, _ = _flatten(state)
-        tp = _tensor_parallel_degree(state)
-        vocab, padded = self.cfg.model.vocab_size, self.cfg.model.padded_vocab_size(tp)
-        vocab_dims = integrity.vocab_dims(flat, padded, vocab)
-        checksums, finite = integrity.fingerprint(flat, vocab_dims, vocab)
+        snap = state if isinstance(state, Snapshot) else self.snapshot(state, copy=False)
+        sums, finite = jax.device_get((snap.sums, snap.finite))
         if not finite:
             raise CheckpointSaveError(f"refusing to save step {step}: the train state holds "
                                       f"NaN or Inf; the saved steps {self.committed_steps()} "
                                       f"are kept")
+        tp = snap.tensor_parallel
+        vocab, padded = self.cfg.model.vocab_size, self.cfg.model.padded_vocab_size(tp)
         meta = {"format": FORMAT_VERSION, "model": dataclasses.asdict(self.cfg.model),
-                "tensor_parallel": tp, "padded_vocab": padded, "checksums": checksums,
-                "checksum_vocab_dims": vocab_dims, "params_only": params_only}
+                "tensor_parallel": tp, "padded_vocab": padded,
+                "checksums": {k: int(v) for k, v in sums.items()},
+                "checksum_vocab_dims": integrity.vocab_dims(snap.flat, padded, vocab),
+                "params_only": params_only}
         self.raise_save_errors()  # orbax would raise the previous save's error from save()
         manager.save(step, force=force, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(flat),
+            state=ocp.args.StandardSave(snap.flat),
             data=ocp.args.JsonSave(dict(data_state)),
             meta=ocp.args.JsonSave(meta)))
         self._pending = True

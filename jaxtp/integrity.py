@@ -92,12 +92,19 @@ def vocab_dims(flat: dict, padded_vocab: int, vocab: int) -> dict[str, list[int]
     return {k: d for k, d in dims.items() if d}
 
 
+def start_fingerprint(flat: dict, dims: dict[str, list[int]] | None = None, vocab: int = 0
+                      ) -> tuple[dict[str, jax.Array], jax.Array]:
+    """:func:`fingerprint` dispatched and not waited for: the checksums and the finite flag as
+    device scalars."""
+    static = tuple(sorted((k, tuple(d)) for k, d in (dims or {}).items()))
+    return _fingerprint(flat, static, vocab)
+
+
 def fingerprint(flat: dict, dims: dict[str, list[int]] | None = None, vocab: int = 0
                 ) -> tuple[dict[str, int], bool]:
     """``({key: checksum}, all floats finite)`` of a flat dict of (sharded) arrays; ``dims``:
     :func:`vocab_dims`."""
-    static = tuple(sorted((k, tuple(d)) for k, d in (dims or {}).items()))
-    sums, finite = jax.device_get(_fingerprint(flat, static, vocab))
+    sums, finite = jax.device_get(start_fingerprint(flat, dims, vocab))
     return {k: int(v) for k, v in sums.items()}, bool(finite)
 
 

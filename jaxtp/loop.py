@@ -1,19 +1,23 @@
 """The training loop: steps, the log / checkpoint / eval windows, and the run's summary.
 
-The host never waits on the step it just dispatched, except to save or evaluate that step's
-state (which the next step's dispatch donates). Batches are read and placed on the devices ahead
-of time (:mod:`jaxtp.prefetch`, ``train.prefetch`` steps), and a log window's metrics are read
-(``float(loss)``, the one host sync per window) only after the next step has been dispatched, so
-a step is always in flight; NaN / Inf is therefore seen at most one step late, and a checkpoint
-step checks its own loss before it saves, so the last good checkpoint is kept. Each logged record
-carries ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``step_time_s`` and ``mfu`` (model
-FLOPs of :func:`jaxtp.flops.model_flops` over the devices' peak) -- with checkpoint-save time left
-out of the window, and the first window flagged ``includes_compile`` -- plus ``host_time_s``, the
-main thread's own work per step outside the compiled step (data hand-over, loop bookkeeping,
-logging; waits on the devices, saves and evals excluded) and ``host_parts_s``, those parts and
-``dispatch``, the step call itself (on XLA:CPU a step with collectives returns only once the
-previous step has finished, so there it holds that wait and is not counted as host work), then
-``eval_loss`` at eval steps and an MoE model's router metrics.
+The host never waits on the step it just dispatched. Batches are read and placed on the devices
+ahead of time (:mod:`jaxtp.prefetch`, ``train.prefetch`` steps), and a log window's metrics are
+read (``float(loss)``, the one host sync per window) only after the next step has been
+dispatched, so a step is always in flight; NaN / Inf is therefore seen at most one step late,
+and a checkpoint step checks its own loss before it saves, so the last good checkpoint is kept.
+A step whose state is saved or evaluated dispatches a copy of that state on the devices, its
+checksums and the eval batches, then the next step (which donates the state), and only then
+reads them and hands the copy to the checkpointer, whose copy to the host runs beside the next
+step (``train.checkpoint_overlap``; "off": the save and eval run before the next dispatch, with
+no copy). Each logged record carries ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``,
+``step_time_s`` and ``mfu`` (model FLOPs of :func:`jaxtp.flops.model_flops` over the devices'
+peak) -- with the waits for saves and evals left out of the windows, and the first window
+flagged ``includes_compile`` -- plus ``host_time_s``, the main thread's own work per step outside
+the compiled step (data hand-over, loop bookkeeping, logging; waits on the devices, saves and
+evals excluded) and ``host_parts_s``, those parts and ``dispatch``, the step call itself (on
+XLA:CPU a step with collectives returns only once the previous step has finished, so there it
+holds that wait and is not counted as host work), then ``eval_loss`` at eval steps and an MoE
+model's router metrics.
 Records go to ``metrics.jsonl`` and TensorBoard; SIGTERM / SIGINT
 (:class:`jaxtp.run_guard.StopSignals`) save the current step and stop.
 """
@@ -26,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxtp import events, optim
@@ -70,6 +75,34 @@ class _Window:
 
 
 @dataclass
+class _StateWork:
+    """What a save / eval step dispatched from its state before the next step donated it."""
+
+    snapshot: object | None  # a jaxtp.checkpoint.Snapshot (a device copy) to save
+    data_state: dict | None  # the loader state after the step's batch
+    eval_losses: list | None  # the eval batches' losses, device scalars
+
+
+def _room_for_copy(state) -> bool:
+    """Whether every local device has room for one more copy of its part of ``state`` beside
+    the step's peak (devices that report no memory statistics, such as the CPU, have)."""
+    need: dict = {}
+    for leaf in jax.tree.leaves(state):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+    for device, nbytes in need.items():
+        stats = device.memory_stats() or {}
+        limit, peak = stats.get("bytes_limit"), stats.get("peak_bytes_in_use")
+        if limit and peak is not None and peak + nbytes > 0.95 * limit:
+            print(f"jaxtp: checkpoint saves wait for the copy to the host: {device} has "
+                  f"{(limit - peak) / 2**30:.1f} GiB free at the step's peak, a copy of the "
+                  f"train state needs {nbytes / 2**30:.1f} GiB (train.checkpoint_overlap=on "
+                  f"copies anyway)", flush=True)
+            return False
+    return True
+
+
+@dataclass
 class Loop:
     """The loop of one run segment, from ``start`` to ``train.steps``. ``trainer`` is a
     :class:`jaxtp.train.Trainer`; ``ckpt`` a :class:`jaxtp.checkpoint.Checkpointer`;
@@ -92,6 +125,7 @@ class Loop:
     # the main thread's seconds per part over the whole segment (HOST_PARTS), and the steps run
     host_time: dict = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))
     steps_run: int = 0
+    _overlap_on: bool | None = None  # train.checkpoint_overlap, decided at the first save step
     _win: _Window = field(default_factory=lambda: _Window(0.0))
     _data_state: dict | None = None  # the loader state after the last consumed batch
 
@@ -142,9 +176,13 @@ class Loop:
                         self._show(bar, self._window_end(step, metrics, self._win.steps,
                                                             item.log_fields))
                     break
-                if self._needs_state(step):  # save / eval read this step's state: now
-                    self._show(bar, self._window_end(step, metrics, self._win.steps,
-                                                        item.log_fields, state))
+                if self._needs_state(step):  # save / eval read this step's state
+                    if self._overlap(state):  # from a copy, once the next step is dispatched
+                        pending = (step, metrics, self._win.steps, item.log_fields, None,
+                                   self._start_state_work(step, state))
+                    else:  # now: the next step's dispatch donates it
+                        self._show(bar, self._window_end(step, metrics, self._win.steps,
+                                                            item.log_fields, state))
                 elif step % t.log_every == 0 or step == t.steps:
                     pending = (step, metrics, self._win.steps, item.log_fields)
             if pending is not None:
@@ -175,10 +213,30 @@ class Loop:
         save_now = t.checkpoint_every and step % t.checkpoint_every == 0
         return bool(save_now or (log_now and (step % t.eval_every == 0 or step == t.steps)))
 
+    def _overlap(self, state) -> bool:
+        """Whether a save / eval step's work waits for the next step's dispatch
+        (``train.checkpoint_overlap``); "auto" decides once, at the first such step."""
+        if self._overlap_on is None:
+            choice = self.cfg.train.checkpoint_overlap
+            self._overlap_on = choice == "on" or (choice == "auto" and _room_for_copy(state))
+        return self._overlap_on
+
+    def _start_state_work(self, step: int, state) -> _StateWork:
+        """Dispatch what a save / eval step needs from ``state`` before the next step donates
+        it: a copy of it on the devices and its checksums to save, the eval batches' losses."""
+        t = self.cfg.train
+        save = bool(t.checkpoint_every and step % t.checkpoint_every == 0)
+        log_now = step % t.log_every == 0 or step == t.steps
+        evaluate = log_now and (step % t.eval_every == 0 or step == t.steps)
+        return _StateWork(snapshot=self.ckpt.snapshot(state) if save else None,
+                          data_state=self._data_state,
+                          eval_losses=self._start_eval(state) if evaluate else None)
+
     def _window_end(self, step: int, metrics, steps: int, fields: dict,
-                    state=None) -> dict | None:
+                    state=None, work: _StateWork | None = None) -> dict | None:
         """At a log or checkpoint step, the window's first ``steps`` steps ending there: check
-        the loss, save and evaluate (``state`` given: this step's), and write the record."""
+        the loss, save and evaluate (``state`` given: this step's, now; ``work``: from what
+        :meth:`_start_state_work` dispatched), and write the record."""
         t = self.cfg.train
         log_now = step % t.log_every == 0 or step == t.steps
         save_now = state is not None and t.checkpoint_every and step % t.checkpoint_every == 0
@@ -187,10 +245,22 @@ class Loop:
         end = time.perf_counter()  # the window's steps are done (a later one may be in flight)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self._diverged(step, loss, grad_norm)
+        eval_loss = None
+        if work is not None:
+            # The copy, checksums and eval ran on the devices before the next step: waiting for
+            # them is left out of the next window; the save's copy to the host overlaps it.
+            if work.eval_losses is not None:
+                eval_loss = float(np.mean(jax.device_get(work.eval_losses)))
+            if work.snapshot is not None:
+                jax.block_until_ready((work.snapshot.sums, work.snapshot.finite))
+            end_wait = time.perf_counter()
+            if work.snapshot is not None:
+                self.ckpt.save(step, work.snapshot, data_state=work.data_state)
+                work.snapshot = None  # the device copy is free once on the host
         if save_now:  # the save's time is left out of the window's step time
             self.ckpt.save(step, state, data_state=self._data_state)
         if not log_now:
-            self._win.start += time.perf_counter() - end
+            self._win.start += (end_wait if work is not None else time.perf_counter()) - end
             return None
         win = self._win
         dt = (end - win.start) / steps
@@ -205,21 +275,27 @@ class Loop:
             rec["includes_compile"] = True
         if state is not None and (step % t.eval_every == 0 or step == t.steps):
             rec["eval_loss"] = self._eval(state)
+        if eval_loss is not None:
+            rec["eval_loss"] = eval_loss
         t0 = time.perf_counter()
         self._write(rec)
         rest = win.steps - steps  # steps dispatched after this window's last one
-        # a step in flight has run on the devices since `end`; otherwise the next window starts
-        # now, with the save and eval left out. The logging is that next window's host work.
-        self._win = _Window(end if rest else time.perf_counter(), steps=rest)
+        # a step in flight has run on the devices since `end` (after the wait for a save / eval
+        # step's device work); otherwise the next window starts now, with the save and eval
+        # left out. The logging is that next window's host work.
+        start = end if work is None else end_wait
+        self._win = _Window(start if rest else time.perf_counter(), steps=rest)
         self._host("logging", t0)
         return rec
 
-    def _eval(self, state) -> float:
-        t = self.cfg.train
+    def _start_eval(self, state) -> list:
+        """The held-out batches' losses, dispatched (device scalars)."""
         self.eval_loader.step = 0  # the same held-out batches every time
-        return float(np.mean([
-            float(self.eval_fn(state.params, self.trainer.put_batch(next(self.eval_loader))))
-            for _ in range(t.eval_batches)]))
+        return [self.eval_fn(state.params, self.trainer.put_batch(next(self.eval_loader)))
+                for _ in range(self.cfg.train.eval_batches)]
+
+    def _eval(self, state) -> float:
+        return float(np.mean(jax.device_get(self._start_eval(state))))
 
     def _write(self, rec: dict) -> None:
         self.records.append(rec)
