@@ -26,7 +26,6 @@ AttentionImpl = Literal["default", "xla", "cudnn"]
 ContextLayout = Literal["zigzag", "contiguous"]
 RopeScaling = Literal["none", "llama3"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
-CheckpointOverlap = Literal["auto", "on", "off"]
 
 
 
@@ -150,14 +149,10 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     prefetch: int = 1  # batches read and placed ahead on a background thread (0 = inline)
-    # A save step's state copied on the devices, so the next step runs while the copy goes to the
-    # host ("on"); "off": the next step waits for the save's copy (no extra device memory);
-    # "auto": "on" unless the devices report too little free memory for one more train state.
-    checkpoint_overlap: CheckpointOverlap = "auto"
+    checkpoint_overlap: Literal["auto", "on", "off"] = "auto"  # save beside next step (loop.py)
     out_dir: str = "runs/default"
-    # Operations (jaxtp/run_guard.py, jaxtp/events.py): a step that makes no progress for this
-    # long stops the run with an error (a stuck peer must not hang a job forever); TensorBoard
-    # event files beside metrics.jsonl; "START:END" traces steps START .. END-1 with jax.profiler.
+    # Operations (run_guard.py, events.py): a step with no progress for this long stops the run
+    # (a stuck peer must not hang a job); TensorBoard events; "START:END" jax.profiler traces.
     step_timeout_s: float = 1800.0
     tensorboard: bool = True
     profile_steps: str = ""
