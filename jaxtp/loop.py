@@ -1,23 +1,23 @@
 """The training loop: steps, the log / checkpoint / eval windows, and the run's summary.
 
 The host never waits on the step it just dispatched. Batches are read and placed on the devices
-ahead of time (:mod:`jaxtp.prefetch`, ``train.prefetch`` steps), and a log window's metrics are
-read (``float(loss)``, the one host sync per window) only after the next step has been
-dispatched, so a step is always in flight; NaN / Inf is therefore seen at most one step late,
-and a checkpoint step checks its own loss before it saves, so the last good checkpoint is kept.
-A step whose state is saved or evaluated dispatches a copy of that state on the devices, its
-checksums and the eval batches, then the next step (which donates the state), and only then
-reads them and hands the copy to the checkpointer, whose copy to the host runs beside the next
-step (``train.checkpoint_overlap``; "off": the save and eval run before the next dispatch, with
-no copy). Each logged record carries ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``,
-``step_time_s`` and ``mfu`` (model FLOPs of :func:`jaxtp.flops.model_flops` over the devices'
-peak) -- with the waits for saves and evals left out of the windows, and the first window
-flagged ``includes_compile`` -- plus ``host_time_s``, the main thread's own work per step outside
-the compiled step (data hand-over, loop bookkeeping, logging; waits on the devices, saves and
-evals excluded) and ``host_parts_s``, those parts and ``dispatch``, the step call itself (on
-XLA:CPU a step with collectives returns only once the previous step has finished, so there it
-holds that wait and is not counted as host work), then ``eval_loss`` at eval steps and an MoE
-model's router metrics.
+ahead of time (:mod:`jaxtp.prefetch`, ``train.prefetch`` steps), and a log window's metrics are read
+(``float(loss)``, the one host sync per window) only after the next step has been dispatched, so a
+step is always in flight; NaN / Inf is therefore seen at most one step late, and a checkpoint step
+checks its own loss before it saves, so the last good checkpoint is kept. A step whose state is
+saved or evaluated dispatches a copy of that state on the devices, its checksums and the eval
+batches, then the next step (which donates the state), and only then reads them and hands the copy
+to the checkpointer, whose copy to the host runs beside the next step (``train.checkpoint_overlap``;
+"off": the save and eval run before the next dispatch, with no copy; "auto": on for accelerators
+with the memory, off on CPU). Each logged record carries ``loss``, ``grad_norm``, ``lr``,
+``tokens_per_s``, ``step_time_s`` and ``mfu`` (model FLOPs of :func:`jaxtp.flops.model_flops` over
+the devices' peak) -- with the waits for saves and evals left out of the windows, and the first
+window flagged ``includes_compile`` -- plus ``host_time_s``, the main thread's own work per step
+outside the compiled step (data hand-over, loop bookkeeping, logging; waits on the devices, saves
+and evals excluded) and ``host_parts_s``, those parts and ``dispatch``, the step call itself (on
+XLA:CPU a step with collectives returns only once the previous step has finished, so there it holds
+that wait and is not counted as host work), then ``eval_loss`` at eval steps and an MoE model's
+router metrics.
 Records go to ``metrics.jsonl`` and TensorBoard; SIGTERM / SIGINT
 (:class:`jaxtp.run_guard.StopSignals`) save the current step and stop.
 """
@@ -84,12 +84,16 @@ class _StateWork:
 
 
 def _room_for_copy(state) -> bool:
-    """Whether every local device has room for one more copy of its part of ``state`` beside
-    the step's peak (devices that report no memory statistics, such as the CPU, have)."""
+    """Whether the copy pays: not on CPU devices (they are the host's cores, so the copy and the
+    save compete with the next step for them: benchmarks/checkpoint_overlap.py measured 1.77 s
+    against 1.59 s a save), and elsewhere where every local device has room for one more copy
+    of its part of ``state`` beside the step's peak (or reports no memory statistics)."""
     need: dict = {}
     for leaf in jax.tree.leaves(state):
         for shard in getattr(leaf, "addressable_shards", ()):
             need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+    if any(getattr(d, "platform", "") == "cpu" for d in need):
+        return False
     for device, nbytes in need.items():
         stats = device.memory_stats() or {}
         limit, peak = stats.get("bytes_limit"), stats.get("peak_bytes_in_use")

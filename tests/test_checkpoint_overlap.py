@@ -106,9 +106,10 @@ def _state_on(device, nbytes):
 
 
 def test_auto_copies_only_where_the_devices_have_room(capsys):
-    """auto: no memory statistics (CPU) or room beside the step's peak -> copy; too little ->
-    save in place, with one line saying so and how to force the copy."""
-    assert loop._room_for_copy({"w": jnp.zeros(4)})  # the CPU reports no memory statistics
+    """auto: CPU devices -> save in place (the copy competes with the next step for the same
+    cores); an accelerator with no memory statistics or room beside the step's peak -> copy;
+    too little -> save in place, with one line saying so and how to force the copy."""
+    assert not loop._room_for_copy({"w": jnp.zeros(4)})
     assert loop._room_for_copy(_state_on(_Device(None), 2**30))
     roomy = _Device({"bytes_limit": 10 * 2**30, "peak_bytes_in_use": 6 * 2**30})
     assert loop._room_for_copy(_state_on(roomy, 2 * 2**30))
