@@ -83,7 +83,7 @@ class _StateWork:
     eval_losses: list | None  # the eval batches' losses, device scalars
 
 
-def _room_for_copy(state) -> bool:
+def _copy_pays(state) -> bool:
     """Whether the copy pays: not on CPU devices (they are the host's cores, so the copy and the
     save compete with the next step for them: benchmarks/checkpoint_overlap.py measured 1.77 s
     against 1.59 s a save), and elsewhere where every local device has room for one more copy
@@ -222,7 +222,7 @@ class Loop:
         (``train.checkpoint_overlap``); "auto" decides once, at the first such step."""
         if self._overlap_on is None:
             choice = self.cfg.train.checkpoint_overlap
-            self._overlap_on = choice == "on" or (choice == "auto" and _room_for_copy(state))
+            self._overlap_on = choice == "on" or (choice == "auto" and _copy_pays(state))
         return self._overlap_on
 
     def _start_state_work(self, step: int, state) -> _StateWork:

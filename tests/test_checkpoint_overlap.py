@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtp import checkpoint, config, loop, train
+from jaxtp import checkpoint, config, hlo, loop, train
 
 COMMON = ["train.steps=6", "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=2",
           "train.eval_batches=1", "train.keep_checkpoints=10"]
@@ -109,13 +109,13 @@ def test_auto_copies_only_where_the_devices_have_room(capsys):
     """auto: CPU devices -> save in place (the copy competes with the next step for the same
     cores); an accelerator with no memory statistics or room beside the step's peak -> copy;
     too little -> save in place, with one line saying so and how to force the copy."""
-    assert not loop._room_for_copy({"w": jnp.zeros(4)})
-    assert loop._room_for_copy(_state_on(_Device(None), 2**30))
+    assert not loop._copy_pays({"w": jnp.zeros(4)})
+    assert loop._copy_pays(_state_on(_Device(None), 2**30))
     roomy = _Device({"bytes_limit": 10 * 2**30, "peak_bytes_in_use": 6 * 2**30})
-    assert loop._room_for_copy(_state_on(roomy, 2 * 2**30))
+    assert loop._copy_pays(_state_on(roomy, 2 * 2**30))
     assert capsys.readouterr().out == ""
     full = _Device({"bytes_limit": 10 * 2**30, "peak_bytes_in_use": 8 * 2**30})
-    assert not loop._room_for_copy(_state_on(full, 2 * 2**30))
+    assert not loop._copy_pays(_state_on(full, 2 * 2**30))
     line = capsys.readouterr().out.strip()
     assert "gpu:0 has 2.0 GiB free" in line and "needs 2.0 GiB" in line
     assert "train.checkpoint_overlap=on" in line and "\n" not in line
@@ -136,3 +136,16 @@ def test_a_snapshot_is_a_copy_on_the_same_devices(tmp_path):
         assert all(a.data.unsafe_buffer_pointer() != b.data.unsafe_buffer_pointer()
                    for a, b in zip(c.addressable_shards, v.addressable_shards)), k
         np.testing.assert_array_equal(np.asarray(c), np.asarray(v))
+    # memory contract, from the compiled copy: one more state's bytes per device, no collective
+    compiled = checkpoint._device_copy.lower(flat).compile()
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in flat.values())
+    out = compiled.memory_analysis().output_size_in_bytes  # + the output tuple's pointer table
+    assert per_device <= out <= per_device + 8 * len(flat), (out, per_device)
+    mesh = next(iter(flat.values())).sharding.mesh
+    assert not hlo.collectives(compiled.as_text(), dict(mesh.shape))
+
+
+def test_a_bad_overlap_choice_is_one_line_before_anything_runs():
+    with pytest.raises(config.ConfigError, match=r"train.checkpoint_overlap='sometimes' .*"
+                                                 r"choose one of \['auto', 'on', 'off'\]"):
+        config.load("tiny", ["train.checkpoint_overlap=sometimes"])
