@@ -1,12 +1,12 @@
 """What a checkpoint save costs the training loop, with and without ``train.checkpoint_overlap``.
 
 Runs ``jaxtp.train.run`` on ``benchmarks/vs_maxtext.py``'s model at 8 x 64 tokens a step (8
-simulated CPU devices, glibc's ``hugetlb=1`` malloc tunable, as ``jaxtp train`` starts a CPU
-run) in a fresh process per (layout, mode), interleaved round by round: ``none`` saves no checkpoint in the timed span,
-``off`` and ``on`` save every ``--every`` steps, in place before the next step's dispatch or from
-a device copy after it. The timed span runs from the dispatch of step ``every`` to that of step
-``3 * every + 2``, so it holds three saves in either mode; the cost of a save is the span's extra
-time over ``none`` divided by three::
+simulated CPU devices, glibc's ``hugetlb=1`` malloc tunable, as ``jaxtp train`` starts a CPU run) in
+a fresh process per (layout, mode), interleaved round by round: ``none`` saves no checkpoint in the
+timed span, ``off`` and ``on`` save every ``--every`` steps, in place before the next step's
+dispatch or from a device copy after it. The timed span runs from the dispatch of step ``every`` to
+that of step ``3 * every + 2``, so it holds three saves in either mode; the cost of a save is the
+span's extra time over ``none`` divided by three::
 
     python benchmarks/checkpoint_overlap.py --rounds 2
 """
