@@ -1,6 +1,6 @@
 """What a checkpoint save costs the training loop, with and without ``train.checkpoint_overlap``.
 
-Runs ``jaxtp.train.run`` on ``benchmarks/vs_maxtext.py``'s model at 8 x 64 tokens a step (8
+Runs ``jaxtp.train.trainer.run`` on ``benchmarks/vs_maxtext.py``'s model at 8 x 64 tokens a step (8
 simulated CPU devices, glibc's ``hugetlb=1`` malloc tunable, as ``jaxtp train`` starts a CPU run) in
 a fresh process per (layout, mode), interleaved round by round: ``none`` saves no checkpoint in the
 timed span, ``off`` and ``on`` save every ``--every`` steps, in place before the next step's
@@ -33,7 +33,8 @@ SMALL_BATCH = ["train.batch_size=8", "train.seq_len=64"]
 def worker(layout: str, mode: str, every: int) -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from jaxtp import config, train
+    from jaxtp.configs import schema as config
+    from jaxtp.train import trainer as train
 
     steps = 3 * every + 2
     stamps: list[float] = []

@@ -26,8 +26,8 @@ common.force_cpu_devices(8)
 
 import jax  # noqa: E402
 
-from jaxtp import config as config_lib  # noqa: E402
-from jaxtp.train import Trainer  # noqa: E402
+from jaxtp.configs import schema as config_lib  # noqa: E402
+from jaxtp.train.trainer import Trainer  # noqa: E402
 
 TARGET = 1.3
 LAYERS = (4, 12, 24, 48)

@@ -26,10 +26,10 @@ common.force_cpu_devices(8)
 
 import jax  # noqa: E402
 
-from jaxtp import config as config_lib  # noqa: E402
-from jaxtp import data  # noqa: E402
-from jaxtp.prepare import prepare  # noqa: E402
-from jaxtp.train import Trainer  # noqa: E402
+from jaxtp.configs import schema as config_lib  # noqa: E402
+from jaxtp.data import batches as data  # noqa: E402
+from jaxtp.data.prepare import prepare  # noqa: E402
+from jaxtp.train.trainer import Trainer  # noqa: E402
 
 
 def _rate(fn, n: int, rows: int) -> float:

@@ -1,4 +1,4 @@
-"""Decode speed: KV-cache decode (jaxtp.decode) vs recomputing the whole forward every step.
+"""Decode speed: KV-cache decode (jaxtp.serve.decode) vs recomputing the whole forward every step.
 
 For each shape and layout, after a warm-up (compile) call, on the same prompts and cache length:
 
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxtp
-from jaxtp import decode
-from jaxtp.sampling import SamplerArgs
-from jaxtp.sharding import named
+from jaxtp.serve import decode
+from jaxtp.serve.sampling import SamplerArgs
+from jaxtp.parallel.sharding import named
 
 SHAPES = {"tiny": ("tiny", {}), "gpt2-small": ("gpt2-small", {})}
 

@@ -8,7 +8,7 @@ full train step ahead of time from ``trainer.abstract_state()`` / ``engine.abstr
 skips the candidate when XLA's ``memory_analysis`` says it will not fit in device memory, and
 otherwise allocates the state, runs ``--warmup`` + ``--steps`` steps with the compiled executable and
 reports tokens/s and MFU (analytic 6NT + attention FLOPs over the dense bf16 peak,
-``jaxtp.hardware.PEAK_FLOPS``: 989e12 per H100 / H200). An out-of-memory at run time moves on to
+``jaxtp.planner.hardware.PEAK_FLOPS``: 989e12 per H100 / H200). An out-of-memory at run time moves on to
 the next candidate. Master weights and Adam moments are fp32 (``model.param_dtype=float32``), the
 matmuls bf16 (``model.compute_dtype=bfloat16``).
 
@@ -129,11 +129,11 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxtp import config as config_lib
-    from jaxtp.config import ConfigError
-    from jaxtp.inspect import analytic_flops
-    from jaxtp.hardware import PEAK_FLOPS
-    from jaxtp.train import Trainer
+    from jaxtp.configs import schema as config_lib
+    from jaxtp.configs.schema import ConfigError
+    from jaxtp.inspect.report import analytic_flops
+    from jaxtp.planner.hardware import PEAK_FLOPS
+    from jaxtp.train.trainer import Trainer
 
     kind = gpus[0].device_kind
     per_device_peak = next((v for k, v in PEAK_FLOPS.items() if k in kind.lower()), None)

@@ -38,8 +38,9 @@ def worker(layout: str, steps: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    from jaxtp import config, testing
-    from jaxtp.train import Trainer
+    from jaxtp import testing
+    from jaxtp.configs import schema as config
+    from jaxtp.train.trainer import Trainer
 
     cfg = config.load("tiny", [*MODEL, *LAYOUTS[layout]])
     trainer = Trainer(cfg)

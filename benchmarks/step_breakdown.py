@@ -42,10 +42,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import baseline  # noqa: E402
 from throughput import baseline_shape  # noqa: E402
-from jaxtp import config as config_lib  # noqa: E402
+from jaxtp.configs import schema as config_lib  # noqa: E402
 import optax  # noqa: E402
 
-from jaxtp.train import Trainer, TrainState  # noqa: E402
+from jaxtp.train.trainer import Trainer, TrainState  # noqa: E402
 
 VARIANTS = {
     "data=2 x model=4": ("parallel.data=2", "parallel.model=4"),
@@ -226,14 +226,14 @@ def run_breakdown(args) -> list[dict]:
 
 
 def loop_host_time(shape: str, variants: list[str], steps: int, warmup: int) -> list[dict]:
-    """The real training loop (``jaxtp.train.run``, a log window every step, no checkpoints) with
+    """The real training loop (``jaxtp.train.trainer.run``, a log window every step, no checkpoints) with
     batches read inline (``train.prefetch=0``, the data path before the prefetching loop) and one
     step ahead (``prefetch=1``): the main thread's host seconds per step outside the compiled
     step -- data (read + place, or the wait for the prefetched batch), dispatch, loop bookkeeping,
     logging -- from each record's ``host_parts_s``, over the median step time."""
     import tempfile
 
-    from jaxtp import train
+    from jaxtp.train import trainer as train
 
     preset, shape_overrides, _ = common.SHAPES[shape]
     rows = []
@@ -258,7 +258,7 @@ def loop_host_time(shape: str, variants: list[str], steps: int, warmup: int) -> 
 
 def host_time_lines(rows: list[dict], steps: int, warmup: int) -> list[str]:
     lines = ["", "## Host time per step outside the compiled step (the training loop)", "",
-             f"`jaxtp.train.run`, {steps} steps with a log record every step, the first {warmup} "
+             f"`jaxtp.train.trainer.run`, {steps} steps with a log record every step, the first {warmup} "
              "and the last left out; medians; ms on the main thread per step, and their sum as a "
              "share of the step. prefetch=0 reads and places each batch inline, as the loop did "
              "before batches were prefetched; prefetch=1 (the default) makes the next batch on a "

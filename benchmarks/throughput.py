@@ -4,12 +4,12 @@
 For each layout the baseline (on CPU device 0) and jaxtp (on all 8 simulated devices) are compiled
 and warmed up, then run in interleaved blocks A B A B ... (``--rounds`` pairs of ``--steps`` steps
 each), so that drift in machine load hits both alike; the ratio is taken per pair and its median
-reported. MFU is the analytic model FLOPs (6NT + attention, as ``jaxtp.inspect.analytic_flops``)
-per second over a matmul peak measured in the same run (best of ``jaxtp.flops.measure_cpu_peak``
+reported. MFU is the analytic model FLOPs (6NT + attention, as ``jaxtp.inspect.report.analytic_flops``)
+per second over a matmul peak measured in the same run (best of ``jaxtp.train.flops.measure_cpu_peak``
 before and after). The 8 simulated devices share the host's cores, so ~1.0x the single-device
 baseline is the realistic ceiling on CPU: this measures jaxtp's overhead, not a parallel speed-up.
 
-Layouts the installed jaxtp refuses (``ConfigError`` from ``jaxtp.mesh.validate``) are reported
+Layouts the installed jaxtp refuses (``ConfigError`` from ``jaxtp.parallel.mesh.validate``) are reported
 as "not landed" rows (all of the listed ones run today).
 
     python benchmarks/throughput.py [--shape gpt2-small-ish|tiny] [--steps N] [--rounds 5]
@@ -35,14 +35,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import baseline  # noqa: E402
-from jaxtp import config as config_lib  # noqa: E402
-from jaxtp import engine as engine_lib  # noqa: E402
-from jaxtp.config import ConfigError  # noqa: E402
-from jaxtp.inspect import analytic_flops  # noqa: E402
-from jaxtp.flops import measure_cpu_peak  # noqa: E402
-from jaxtp.train import Trainer  # noqa: E402
+from jaxtp.configs import schema as config_lib  # noqa: E402
+from jaxtp.step import engine as engine_lib  # noqa: E402
+from jaxtp.configs.schema import ConfigError  # noqa: E402
+from jaxtp.inspect.report import analytic_flops  # noqa: E402
+from jaxtp.train.flops import measure_cpu_peak  # noqa: E402
+from jaxtp.train.trainer import Trainer  # noqa: E402
 
-# (label, parallel overrides). Anything jaxtp.mesh.validate accepts gets measured.
+# (label, parallel overrides). Anything jaxtp.parallel.mesh.validate accepts gets measured.
 LAYOUTS: list[tuple[str, tuple[str, ...]]] = [
     ("data=8", ("parallel.data=8",)),
     ("data=2 x model=4", ("parallel.data=2", "parallel.model=4")),

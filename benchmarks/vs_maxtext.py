@@ -8,10 +8,10 @@ one step late) or MaxText's ``maxtext.trainers.pre_train.train`` (synthetic data
 devices), ``--steps`` steps of which the first ``--warmup`` are dropped; tokens/s comes from the
 sum of the remaining steps' times (jaxtp: ``step_time_s`` of each one-step log window; MaxText:
 its ``completed step: k, seconds: s`` lines). Rounds alternate the order (A B, then B A, ...), the
-ratio is taken per round. Both sides' FLOPs are :func:`jaxtp.flops.model_flops` of the one model.
+ratio is taken per round. Both sides' FLOPs are :func:`jaxtp.train.flops.model_flops` of the one model.
 The first round also compiles each side's train step for the collective census: jaxtp's from
 ``Trainer.step_fn(...).lower(...).compile().as_text()``, MaxText's from the optimized HLO that
-``XLA_FLAGS=--xla_dump_to`` writes; both go through :func:`jaxtp.hlo.collectives`.
+``XLA_FLAGS=--xla_dump_to`` writes; both go through :func:`jaxtp.inspect.census.collectives`.
 
 MaxText is installed on first use into ``~/.cache/jaxtp/maxtext-venv`` (Python >= 3.12 from
 pyenv or PATH; ``pip install --no-deps maxtext`` plus the modules its train entry imports, listed
@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from jaxtp import host_malloc  # noqa: E402
+from jaxtp.cli import host_malloc  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("JAXTP_MAXTEXT_VENV", Path.home() / ".cache/jaxtp/maxtext-venv"))
@@ -140,7 +140,7 @@ def allocator(a, side: str) -> dict:
     """The host-allocator environment for ``side`` ("jaxtp" or "maxtext"): ``--preload LIB``
     puts LIB under both (``LD_PRELOAD``); ``--host-malloc hugetlb`` glibc's transparent-huge-page
     tunable under both; ``glibc`` neither; ``each`` (the default) runs each side the way its own
-    command would: jaxtp as ``jaxtp train`` does on a CPU host (:mod:`jaxtp.host_malloc`),
+    command would: jaxtp as ``jaxtp train`` does on a CPU host (:mod:`jaxtp.cli.host_malloc`),
     MaxText under glibc as ``train.py`` starts."""
     if a.preload:
         return {"LD_PRELOAD": a.preload}
@@ -265,8 +265,8 @@ def worker_flags(a) -> list[str]:
 def worker(a) -> None:
     """One jaxtp run in this process: the real training loop, then (``--census``) the step's HLO."""
     common.force_cpu_devices(8)
-    from jaxtp import config as config_lib
-    from jaxtp import train
+    from jaxtp.configs import schema as config_lib
+    from jaxtp.train import trainer as train
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_lib.load("tiny", jaxtp_overrides(a, a.layout, a.steps, tmp))
@@ -289,7 +289,7 @@ def steady(run: dict, warmup: int, tokens: int) -> float:
 
 
 def census_rows(hlo_text: str, mesh: dict) -> dict:
-    from jaxtp import hlo
+    from jaxtp.inspect import census as hlo
 
     rows = hlo.census(hlo.collectives(hlo_text, mesh))
     return {f"{r['kind']} over {'+'.join(r['axes']) or '-'}": (r["count"], r["bytes"])
@@ -378,8 +378,8 @@ def measure(a, layout: str, have_maxtext: bool) -> dict:
 
 
 def report(a, results: list[dict], blocked: str | None) -> str:
-    from jaxtp import config as config_lib
-    from jaxtp.flops import model_flops
+    from jaxtp.configs import schema as config_lib
+    from jaxtp.train.flops import model_flops
 
     cfg = config_lib.load("tiny", jaxtp_overrides(a, "model=8", a.steps, "/tmp/unused"))
     flops = model_flops(cfg.model, batch_size=a.batch, seq_len=a.seq)
@@ -389,7 +389,7 @@ def report(a, results: list[dict], blocked: str | None) -> str:
              f"- model: d={a.d_model}, {a.layers} layers, {a.heads} heads, d_ff={a.d_ff} SwiGLU, "
              f"vocab {a.vocab}, seq {a.seq}, global batch {a.batch}, fp32; jaxtp param count "
              f"{cfg.model.param_count():,}; model FLOPs per step {flops / 1e9:.2f} GFLOP "
-             "(jaxtp.flops.model_flops, both sides)",
+             "(jaxtp.train.flops.model_flops, both sides)",
              f"- {a.rounds} interleaved rounds per layout (odd rounds jaxtp first, even rounds "
              f"MaxText first), {a.steps} steps per run, the first {a.warmup} dropped; tokens/s "
              "from the summed step times", f"- command: `python benchmarks/vs_maxtext.py "

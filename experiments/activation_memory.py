@@ -57,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtp import config, testing  # noqa: E402
+from jaxtp import testing  # noqa: E402
+from jaxtp.configs import schema as config  # noqa: E402
 
 TERMS = ("residual", "attention", "mlp", "scores", "other")
 

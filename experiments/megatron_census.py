@@ -11,7 +11,7 @@ Reproduction: the ``tiny`` preset (h=64, s=64, global batch b=8, SwiGLU, untied,
 ``model.vocab_size=2048`` so that the per-device logits ``b_local x s x v/t`` are clearly larger
 than any activation, on 8 simulated CPU devices as ``data = 8/t`` x ``model = t`` for
 t in {1, 2, 4, 8}, in both execution modes (GSPMD and explicit ``shard_map``). Each step is compiled
-ahead of time and the census is read from the optimized HLO (``jaxtp.inspect.report``). Measured:
+ahead of time and the census is read from the optimized HLO (``jaxtp.inspect.report.report``). Measured:
 
 - per-layer collectives over ``model``: the census of an ``n_layers=3`` step minus that of an
   ``n_layers=2`` step, for the forward-only loss and for loss+grad. Expected: 2 and 4 all-reduces,
@@ -48,7 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import jax  # noqa: E402
 
-from jaxtp import config, engine, inspect  # noqa: E402
+from jaxtp.configs import schema as config  # noqa: E402
+from jaxtp.step import engine  # noqa: E402
+from jaxtp.inspect import report as inspect  # noqa: E402
 
 N_DEVICES, BYTES = 8, 4  # fp32 activations and parameters
 OVERRIDES = ["model.vocab_size=2048"]

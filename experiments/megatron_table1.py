@@ -13,7 +13,7 @@ For each row this script prints and writes:
   Megatron's Transformer has biases in every linear layer and LayerNorms with bias (13 h per layer
   against jaxtp's 2 h of RMSNorm scales) and learned position embeddings (s h; jaxtp uses RoPE, no
   parameters), and eq. 2 leaves out the final LayerNorm (jaxtp counts its h scales);
-- the planner's pick on that many A100s (``jaxtp.hardware`` preset ``a100``) in two search
+- the planner's pick on that many A100s (``jaxtp.planner.hardware`` preset ``a100``) in two search
   spaces: "PTD-P", the paper's own (data, pipeline with 1F1B or interleaved schedules, tensor;
   no recompute or full recompute; no ZeRO, FSDP, SP or CP), costed with Korthikanti et al.'s
   Megatron-LM activation formula; and "jaxtp", everything the planner knows, with jaxtp's own
@@ -43,8 +43,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from jaxtp import config, cost_model, plan  # noqa: E402
-from jaxtp.hardware import get_hardware  # noqa: E402
+from jaxtp.configs import schema as config  # noqa: E402
+from jaxtp.planner import cost_model  # noqa: E402
+from jaxtp.planner import search as plan  # noqa: E402
+from jaxtp.planner.hardware import get_hardware  # noqa: E402
 
 V, S = 51200, 2048
 # name: (stated params in B, t, p, GPUs, achieved TFLOP/s per GPU, % of peak) -- Table 1
@@ -182,7 +184,7 @@ def why(rows: list[dict]) -> list[str]:
         "parallelism (2022-2023 techniques) and uses jaxtp's activation model (fp32 norms, XLA "
         "attention keeping the s x s scores, no dropout) and jaxtp's pipeline runtime (each tick "
         "lasts its slowest pass and each backward re-runs its stage: "
-        "`jaxtp.schedules.lockstep_factor`, about 1.5x one rank's busy time for 1F1B). With "
+        "`jaxtp.pipeline.schedules.lockstep_factor`, about 1.5x one rank's busy time for 1F1B). With "
         "that runtime it avoids pipelines: "
         + f"{sum(r['full']['fits'] and r['full']['p'] > 1 for r in rows)} of the {len(rows)} "
         "picks use one, the largest models take ZeRO-3 / FSDP with TP and full recompute "

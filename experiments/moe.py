@@ -51,11 +51,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxtp import hlo  # noqa: E402
-from jaxtp.execution import ExplicitOps, GSPMDOps  # noqa: E402
+from jaxtp.inspect import census as hlo  # noqa: E402
+from jaxtp.parallel.execution import ExplicitOps, GSPMDOps  # noqa: E402
 from jaxtp.layers import moe  # noqa: E402
-from jaxtp.mesh import AXES  # noqa: E402
-from jaxtp.sharding import Rules, param_specs  # noqa: E402
+from jaxtp.parallel.mesh import AXES  # noqa: E402
+from jaxtp.parallel.sharding import Rules, param_specs  # noqa: E402
 
 FACTORS = (0.5, 1.0, 1.25, 1.5, 2.0)
 ALPHA = 0.01

@@ -9,7 +9,7 @@ that more micro-batches means more work per step, as in the papers:
    interleaved, Narayanan et al. 2021): ``(p - 1) / (v m + p - 1)`` of the device-ticks when
    every pass is one tick (``Schedule.bubble_fraction``); ZB-H1 (Qi et al. 2023), whose
    backward is two passes (B: input gradient, W: weight gradient), ``(p - 1) / (3 m + p - 1)``.
-2. The runtime's program (:mod:`jaxtp.pipeline_program`): the tables packed into ticks of at most
+2. The runtime's program (:mod:`jaxtp.pipeline.program`): the tables packed into ticks of at most
    one F and one B per rank (*packed ticks*), each tick lasting its busiest rank's work; its
    lock-step time with a backward of 2 forwards (the backward reads the forward's stored VJP
    residuals; GPipe's recomputes its stage, B = 3 F) against GPipe's at the same p and m; what
@@ -56,8 +56,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import jax  # noqa: E402
 
-from jaxtp import (  # noqa: E402
-    config, engine, hlo, pipeline, pipeline_program, pipelined_step, schedules, testing)
+from jaxtp import testing  # noqa: E402
+from jaxtp.configs import schema as config  # noqa: E402
+from jaxtp.inspect import census as hlo  # noqa: E402
+from jaxtp.pipeline import program as pipeline_program  # noqa: E402
+from jaxtp.pipeline import runtime as pipeline  # noqa: E402
+from jaxtp.pipeline import schedules  # noqa: E402
+from jaxtp.step import engine  # noqa: E402
+from jaxtp.step import pipelined as pipelined_step  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1))
 N_DEVICES = 8
@@ -216,7 +222,8 @@ def split_rows(repeats: int = 5) -> list[dict]:
     B (input gradient, keeping what W needs) and W (weight gradients)."""
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from jaxtp import stage_residuals, weight_grad  # noqa: PLC0415
+    from jaxtp.pipeline import stage_residuals  # noqa: PLC0415
+    from jaxtp.pipeline import weight_grad  # noqa: PLC0415
 
     def timed(f, *args):
         jax.block_until_ready(f(*args))

@@ -1,10 +1,10 @@
 """jaxtp: Megatron-style tensor parallelism in JAX, composed with the other parallelisms.
 
 The public API (the README's "Python API" section): ``jaxtp.config(preset, overrides)`` (the
-:mod:`jaxtp.config` module is callable), :class:`Model`, :class:`Trainer`, ``jaxtp.data.loaders``
+:mod:`jaxtp.configs.schema` module, made callable), :class:`Model`, :class:`Trainer`, ``jaxtp.data.loaders``
 and ``jaxtp.prepare_data``.
 
-The names load on first use (PEP 562), so ``import jaxtp.host_malloc`` — what the ``jaxtp``
+The names load on first use (PEP 562), so ``import jaxtp.cli.host_malloc`` — what the ``jaxtp``
 command runs before anything else — does not import JAX.
 """
 
@@ -12,15 +12,15 @@ import importlib
 
 __version__ = "0.1.0"
 _FROM = {"Config": "jaxtp.api", "ConfigError": "jaxtp.api", "Model": "jaxtp.api",
-         "Trainer": "jaxtp.api", "run_config": "jaxtp.api", "prepare_data": "jaxtp.prepare"}
-_MODULES = ("config", "data")
+         "Trainer": "jaxtp.api", "run_config": "jaxtp.api", "prepare_data": "jaxtp.data.prepare"}
+_MODULES = {"config": "jaxtp.configs.schema", "data": "jaxtp.data"}
 __all__ = ["Config", "ConfigError", "Model", "Trainer", "config", "data", "prepare_data",
            "run_config"]
 
 
 def __getattr__(name: str):
     if name in _MODULES:
-        return importlib.import_module(f"jaxtp.{name}")
+        return importlib.import_module(_MODULES[name])
     if name in _FROM:
         module = importlib.import_module(_FROM[name])
         value = getattr(module, "prepare" if name == "prepare_data" else name)

@@ -1,5 +1,5 @@
 import sys
 
-from jaxtp.launch import main
+from jaxtp.cli.launch import main
 
 sys.exit(main())

@@ -14,8 +14,8 @@ Everything a training script or notebook needs, without reaching into the machin
     state = trainer.init_state()
     state, metrics = trainer.step(state, batch)  # {"inputs", "targets"}: [B, S] int32
 
-A :class:`Model` is a :class:`jaxtp.layout.Layout` (mesh, shardings) with parameters in it and the
-forward functions of :mod:`jaxtp.step` / :mod:`jaxtp.pipelined_step`; every layout the trainer
+A :class:`Model` is a :class:`jaxtp.step.layout.Layout` (mesh, shardings) with parameters in it and the
+forward functions of :mod:`jaxtp.step.plain` / :mod:`jaxtp.step.pipelined`; every layout the trainer
 runs (TP in either mode, SP, CP, pipelines, ZeRO, EP) gives the same logits as one device.
 """
 
@@ -30,17 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtp import config as config_lib
-from jaxtp.axes import CONTEXT, MODEL
-from jaxtp.check_values import validate_model
-from jaxtp.checkpoint import Checkpointer
-from jaxtp.config import Config, ConfigError
-from jaxtp.engine import Engine, build
-from jaxtp.generate import Generator
-from jaxtp.run_dir import read_run_config, write_run_config
-from jaxtp.sampling import SamplerArgs
-from jaxtp.train import Trainer
-from jaxtp.validate import batch_shards, check_sequence
+from jaxtp.configs import schema as config_lib
+from jaxtp.configs.axes import CONTEXT, MODEL
+from jaxtp.configs.check_values import validate_model
+from jaxtp.ckpt.checkpoint import Checkpointer
+from jaxtp.configs.schema import Config, ConfigError
+from jaxtp.step.engine import Engine, build
+from jaxtp.serve.generate import Generator
+from jaxtp.ckpt.run_dir import read_run_config, write_run_config
+from jaxtp.serve.sampling import SamplerArgs
+from jaxtp.train.trainer import Trainer
+from jaxtp.parallel.validate import batch_shards, check_sequence
 
 
 def _text(value) -> str:
@@ -103,7 +103,7 @@ class Model:
                 *, devices=None) -> Model:
         """A Hugging Face Llama-family directory (``config.json`` + safetensors) on the layout
         ``overrides`` give (``{"parallel.model": 4}``); each device reads only its slices."""
-        from jaxtp import hf
+        from jaxtp.hf import importer as hf
 
         cfg = hf.config_from_hf(path)
         if isinstance(overrides, Mapping):
@@ -119,7 +119,7 @@ class Model:
     def save_hf(self, path: str | Path) -> Path:
         """Write a Hugging Face directory ``transformers.AutoModelForCausalLM`` loads: config.json
         and sharded safetensors with an index, vocab padding stripped, tensor by tensor."""
-        from jaxtp import hf_export
+        from jaxtp.hf import exporter as hf_export
 
         params = self.layout.natural_layers(self.params)
         return hf_export.save(params, self.cfg.model, path)
@@ -200,8 +200,8 @@ class Model:
     def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_tokens=()):
         """Continue ``prompts`` (a string, strings, or token-id arrays of any lengths) with a KV
-        cache on this layout (:mod:`jaxtp.decode`); ``temperature=0`` is greedy. Returns a
-        :class:`jaxtp.generate.Generation`: ``.tokens`` (new ids per prompt), ``.text``."""
+        cache on this layout (:mod:`jaxtp.serve.decode`); ``temperature=0`` is greedy. Returns a
+        :class:`jaxtp.serve.generate.Generation`: ``.tokens`` (new ids per prompt), ``.text``."""
         if "generator" not in self._fns:
             self._fns["generator"] = Generator(self.layout, self.engine.region)
         return self._fns["generator"](

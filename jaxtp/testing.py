@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtp.config import Config
-from jaxtp.engine import Engine, reference_loss_fn
-from jaxtp.engine import build as engine_build
-from jaxtp.engine import reference_params as _reference_params
+from jaxtp.configs.schema import Config
+from jaxtp.step.engine import Engine, reference_loss_fn
+from jaxtp.step.engine import build as engine_build
+from jaxtp.step.engine import reference_params as _reference_params
 
 
 def random_batch(cfg: Config, seed: int = 0) -> dict[str, jax.Array]:
@@ -130,7 +130,7 @@ def assert_restores(directory, step: int, trainer, want, *, layer_order=None) ->
     the shardings ``trainer.abstract_state()`` asks for, and bit-equal to ``want`` (host arrays
     in the state's tree order). ``layer_order``: the target's ``Engine.natural_layers`` when its
     layers are stored in pipeline order."""
-    from jaxtp.checkpoint import Checkpointer  # orbax is only needed here
+    from jaxtp.ckpt.checkpoint import Checkpointer  # orbax is only needed here
 
     like = trainer.abstract_state()
     ckpt = Checkpointer(directory, keep=1, cfg=trainer.cfg, layer_order=layer_order)
@@ -149,7 +149,7 @@ def assert_restores(directory, step: int, trainer, want, *, layer_order=None) ->
 def packed_batch(cfg: Config, seed: int = 0, *, max_doc: int | None = None,
                  pad: int = 3) -> dict[str, np.ndarray]:
     """A packed ``[batch_size, seq_len]`` batch of random documents (the data contract of
-    :mod:`jaxtp.data`): each row is documents of random lengths (2 to ``max_doc`` tokens,
+    :mod:`jaxtp.data.batches`): each row is documents of random lengths (2 to ``max_doc`` tokens,
     default ``seq_len // 2``) then ``pad`` padding tokens, with ``segment_ids`` (1, 2, ... per
     row; 0 = padding), ``positions`` within each document and ``loss_mask`` (1 where the target
     is the next token of the same document)."""

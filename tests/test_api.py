@@ -1,4 +1,4 @@
-"""The public Python API (jaxtp.config / jaxtp.Model / jaxtp.Trainer): every layout gives the
+"""The public Python API (jaxtp.configs.schema / jaxtp.Model / jaxtp.Trainer): every layout gives the
 single-device reference's logits and losses; save / from_run / fine-tune round trips; one-line
 errors for bad input."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxtp
-from jaxtp import engine
+from jaxtp.step import engine
 
 # tiny, shrunk: every case below compiles a forward in a few seconds
 BASE = {"train.batch_size": 8, "train.seq_len": 32, "model.max_seq_len": 64}

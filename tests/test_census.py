@@ -7,7 +7,9 @@ L+1 and L layers, so the embedding and the loss are factored out.
 
 import pytest
 
-from jaxtp import config, engine, inspect
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.inspect import report as inspect
 
 DATA, MODEL = 2, 4
 B, S, H = 8, 64, 64  # global batch, seq, d_model of the tiny preset

@@ -15,10 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtp import config, testing
-from jaxtp.checkpoint import Checkpointer
-from jaxtp.config import ConfigError
-from jaxtp.train import Trainer
+from jaxtp import testing
+from jaxtp.configs import schema as config
+from jaxtp.ckpt.checkpoint import Checkpointer
+from jaxtp.configs.schema import ConfigError
+from jaxtp.train.trainer import Trainer
 
 VOCAB = 256
 DATA_STATE = {"step": 5, "seed": 0, "epoch": {"order": [3, 1, 2]}}

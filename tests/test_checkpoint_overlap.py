@@ -10,7 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtp import checkpoint, config, hlo, loop, train
+from jaxtp.ckpt import checkpoint
+from jaxtp.configs import schema as config
+from jaxtp.inspect import census as hlo
+from jaxtp.train import loop
+from jaxtp.train import trainer as train
 
 COMMON = ["train.steps=6", "train.log_every=1", "train.checkpoint_every=2", "train.eval_every=2",
           "train.eval_batches=1", "train.keep_checkpoints=10"]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxtp import collectives
+from jaxtp.parallel import collectives
 
 MESH = Mesh(np.array(jax.devices()), ("model",))
 RNG = np.random.default_rng(0)

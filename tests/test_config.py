@@ -1,7 +1,7 @@
 import pytest
 
-from jaxtp import config
-from jaxtp.config import ConfigError
+from jaxtp.configs import schema as config
+from jaxtp.configs.schema import ConfigError
 
 
 def test_presets_exist_and_validate():
@@ -64,7 +64,8 @@ def test_padded_vocab():
 def test_attention_impl_xla_equals_default_and_cudnn_needs_a_gpu():
     import numpy as np
 
-    from jaxtp import engine, testing
+    from jaxtp import testing
+    from jaxtp.step import engine
 
     batch = testing.random_batch(config.load("tiny"))
     losses = []

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from jaxtp import data
-from jaxtp.config import ConfigError, DataConfig
+from jaxtp.data import batches as data
+from jaxtp.configs.schema import ConfigError, DataConfig
 
 
 def _loader(**kw):

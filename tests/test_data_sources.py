@@ -11,9 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxtp import cli, config, corpus, data
-from jaxtp.config import ConfigError, DataConfig
-from jaxtp.prepare import prepare
+from jaxtp.cli import commands as cli
+from jaxtp.configs import schema as config
+from jaxtp.data import corpus
+from jaxtp.data import batches as data
+from jaxtp.configs.schema import ConfigError, DataConfig
+from jaxtp.data.prepare import prepare
 from jaxtp.testing import kill_when_saved, train_env
 
 DOCS = [f"document {i}: " + "abcdefghij"[i % 10] * (3 + 7 * i % 41) for i in range(60)]

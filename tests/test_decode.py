@@ -1,4 +1,4 @@
-"""KV-cache decode (jaxtp.decode, jaxtp.generate, jaxtp.sampling): cached = recomputed, on one
+"""KV-cache decode (jaxtp.serve.decode, jaxtp.serve.generate, jaxtp.serve.sampling): cached = recomputed, on one
 device and on data=2 x model=4 in both modes; the sampler's filters; the decode step's collective
 census from the compiled HLO; the errors."""
 
@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 import jaxtp
-from jaxtp import decode, engine, hlo
-from jaxtp.config import ConfigError
-from jaxtp.generate import Generator
-from jaxtp.sampling import SamplerArgs, filter_logits, row_keys, sample
+from jaxtp.serve import decode
+from jaxtp.step import engine
+from jaxtp.inspect import census as hlo
+from jaxtp.configs.schema import ConfigError
+from jaxtp.serve.generate import Generator
+from jaxtp.serve.sampling import SamplerArgs, filter_logits, row_keys, sample
 
 LAYOUTS = {
     "single": ("gspmd", 1, 1),

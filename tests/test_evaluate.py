@@ -1,4 +1,4 @@
-"""jaxtp.evaluate and the `sample` / `eval` verbs: metrics on a task whose answer is known (a
+"""jaxtp.serve.evaluate and the `sample` / `eval` verbs: metrics on a task whose answer is known (a
 model built to predict "the next byte value"), and the CLI run as a user would."""
 
 import json
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import jaxtp
-from jaxtp import evaluate
-from jaxtp.config import ConfigError
+from jaxtp.serve import evaluate
+from jaxtp.configs.schema import ConfigError
 from jaxtp.testing import train_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

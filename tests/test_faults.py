@@ -3,7 +3,7 @@ SIGTERM / SIGINT save and exit 0; corrupt checkpoints are detected and skipped; 
 run directory; async save errors stop the run; a stalled step trips the watchdog; TensorBoard,
 profiler and config.json are written.
 
-Value and file errors run ``jaxtp.cli.main`` in this process (they stop before JAX compiles
+Value and file errors run ``jaxtp.cli.commands.main`` in this process (they stop before JAX compiles
 anything); signals, locks and the watchdog run ``python -m jaxtp`` as a user would.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtp import cli
+from jaxtp.cli import commands as cli
 from jaxtp.testing import train_env
 
 TINY = ["train.log_every=5", "train.eval_every=1000", "train.eval_batches=1"]
@@ -248,7 +248,7 @@ def test_second_trainer_is_refused_and_sigint_saves(tmp_path, capsys):
 def test_stale_lock_is_taken_over(tmp_path, capsys):
     import socket
 
-    from jaxtp.run_guard import RunLock, RunLockError
+    from jaxtp.train.run_guard import RunLock, RunLockError
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -291,7 +291,8 @@ def test_failed_background_save_stops_the_run(tmp_path):
 
 STALL = """
 import sys, time
-from jaxtp import cli, train
+from jaxtp.cli import commands as cli
+from jaxtp.train import trainer as train
 make = train.Trainer.step_fn
 def stalling(self, state):
     fn, calls = make(self, state), [0]
@@ -330,8 +331,9 @@ def _flip_one_byte(step_dir: Path) -> None:
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(tmp_path, capsys):
-    from jaxtp import config, train
-    from jaxtp.integrity import CorruptCheckpointError
+    from jaxtp.configs import schema as config
+    from jaxtp.train import trainer as train
+    from jaxtp.ckpt.integrity import CorruptCheckpointError
 
     args = [f"train.out_dir={tmp_path}", "train.checkpoint_every=10", *TINY]
     train.run(config.load("tiny", ["train.steps=20", *args]))
@@ -358,7 +360,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
 # ----------------------------------------------------------------------------------------------
 
 def test_tensorboard_profile_config_and_summary(tmp_path, capsys):
-    from jaxtp import config, train
+    from jaxtp.configs import schema as config
+    from jaxtp.train import trainer as train
 
     cfg = config.load("tiny", [f"train.out_dir={tmp_path}", "train.steps=10", "train.log_every=5",
                                "train.eval_every=10", "train.eval_batches=1",
@@ -386,8 +389,9 @@ def test_a_layout_predicted_not_to_fit_is_warned_about_before_step_1(capsys, tmp
     report (CPU devices report none: no warning on a simulated mesh unless told a limit)."""
     import jax
 
-    from jaxtp import fit_check, train
-    from jaxtp.config import load
+    from jaxtp.planner import fit_check
+    from jaxtp.train import trainer as train
+    from jaxtp.configs.schema import load
 
     cfg = load("tiny", ["train.steps=1", "train.eval_batches=1", "train.checkpoint_every=0",
                         f"train.out_dir={tmp_path / 'run'}", "train.tensorboard=false",

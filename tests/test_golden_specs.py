@@ -26,8 +26,8 @@ DEFAULT_MESH = ["parallel.fsdp=2", "parallel.data=1", "parallel.model=4"]
 def spec_table(preset: str) -> dict[str, str]:
     import jax
 
-    from jaxtp import config
-    from jaxtp.layout import build_layout
+    from jaxtp.configs import schema as config
+    from jaxtp.step.layout import build_layout
 
     cfg = config.load(preset, MESHES.get(preset, DEFAULT_MESH))
     lo = build_layout(cfg, training=False)
@@ -38,7 +38,7 @@ def spec_table(preset: str) -> dict[str, str]:
 
 
 def all_tables() -> dict[str, dict[str, str]]:
-    from jaxtp.config import PRESETS
+    from jaxtp.configs.schema import PRESETS
 
     return {name: spec_table(name) for name in sorted(PRESETS)}
 

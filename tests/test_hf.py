@@ -1,4 +1,4 @@
-"""Hugging Face interop (jaxtp/hf.py): golden logits of transformers on every layout, import ->
+"""Hugging Face interop (jaxtp/hf/importer.py): golden logits of transformers on every layout, import ->
 export -> import bit-exact, and one-line errors before anything is allocated.
 
 The fixtures in tests/fixtures/hf are tiny random models with realistic weight scales, written by
@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import jaxtp
-from jaxtp import hf
+from jaxtp.hf import importer as hf
 
 from pathlib import Path
 
@@ -93,7 +93,7 @@ def test_import_export_import_is_bit_exact(tmp_path, arch):
 
 def test_cli_import_train_export(tmp_path):
     """import-hf writes a run directory that train continues and export-hf writes back out."""
-    from jaxtp import cli
+    from jaxtp.cli import commands as cli
 
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "llama", src)

@@ -1,4 +1,4 @@
-"""The ``jaxtp`` command's host allocator (jaxtp.host_malloc): which environment a run starts
+"""The ``jaxtp`` command's host allocator (jaxtp.cli.host_malloc): which environment a run starts
 under, and that the re-execution really starts the process again under it."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxtp.host_malloc import HUGETLB, HostMallocError, plan
+from jaxtp.cli.host_malloc import HUGETLB, HostMallocError, plan
 
 CPU = {"JAX_PLATFORMS": "cpu"}
 

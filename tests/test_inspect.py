@@ -9,9 +9,16 @@ import os
 
 import pytest
 
-from jaxtp import cli, config, engine, hlo, hlo_source, inspect
-from jaxtp.config import ConfigError, ParallelConfig
-from jaxtp.mesh import mesh_shape
+import jaxtp
+
+from jaxtp.cli import commands as cli
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo_source
+from jaxtp.inspect import report as inspect
+from jaxtp.configs.schema import ConfigError, ParallelConfig
+from jaxtp.parallel.mesh import mesh_shape
 
 DATA, MODEL = 2, 4
 TP_MESH = [f"parallel.data={DATA}", f"parallel.model={MODEL}"]
@@ -133,7 +140,7 @@ def test_hosts_per_axis_and_link():
         inspect.hosts_per_axis(ParallelConfig(dcn_data=3), degrees)
 
 
-PKG = os.path.dirname(hlo_source.__file__)
+PKG = os.path.dirname(jaxtp.__file__)  # paths below are the modules' own
 
 
 def _frame(file, function):
@@ -149,27 +156,27 @@ MODULES = {"Attention": [("blocks/attn", ("MoEBlock", "Transformer")),
 
 @pytest.mark.parametrize("frames, op_name, expected", [
     # a Megatron operator inside a module used at two paths: its enclosing modules decide
-    ([("collectives.py", "reduce_from_model"), ("execution.py", "ExplicitOps.reduce_from_model"),
-      ("layers/attention.py", "Attention.__call__"), ("model.py", "Block.__call__"),
-      ("model.py", "MoEBlock.__call__"), ("model.py", "Transformer.hidden")],
+    ([("parallel/collectives.py", "reduce_from_model"), ("parallel/execution.py", "ExplicitOps.reduce_from_model"),
+      ("layers/attention.py", "Attention.__call__"), ("layers/transformer.py", "Block.__call__"),
+      ("layers/transformer.py", "MoEBlock.__call__"), ("layers/transformer.py", "Transformer.hidden")],
      "jit(f)/while/body/psum_invariant", "blocks/dense/attn: reduce_from_model"),
-    ([("collectives.py", "copy_to_model"), ("layers/attention.py", "Attention.__call__"),
-      ("model.py", "MoEBlock.__call__")],
+    ([("parallel/collectives.py", "copy_to_model"), ("layers/attention.py", "Attention.__call__"),
+      ("layers/transformer.py", "MoEBlock.__call__")],
      "jit(f)/transpose(jvp())/psum_invariant", "blocks/attn: copy_to_model (backward)"),
     # a method other than __call__; GSPMD: the einsum XLA partitioned
-    ([("layers/embedding.py", "VocabParallelEmbedding.attend"), ("model.py", "Transformer.f")],
+    ([("layers/embedding.py", "VocabParallelEmbedding.attend"), ("layers/transformer.py", "Transformer.f")],
      "jit(f)/transpose(jvp(bsd,vd->bsv))/dot_general", "embed.attend: bsd,vd->bsv (backward)"),
     # a closure is named by its function; operator and function alike are said once
-    ([("collectives.py", "sync_grads"), ("engine.py", "sync_grads.<locals>.one"),
-      ("engine.py", "Engine.value_and_grad_fn.<locals>.local")], "psum", "sync_grads"),
+    ([("parallel/collectives.py", "sync_grads"), ("step/engine.py", "sync_grads.<locals>.one"),
+      ("step/engine.py", "Engine.value_and_grad_fn.<locals>.local")], "psum", "sync_grads"),
     # a module-private helper gives way to its caller
-    ([("pipeline.py", "_sender.<locals>.send"), ("pipeline.py", "pipeline_value_and_grad")],
+    ([("pipeline/runtime.py", "_sender.<locals>.send"), ("pipeline/runtime.py", "pipeline_value_and_grad")],
      "jit(f)/while/body/ppermute", "pipeline_value_and_grad: ppermute"),
     # a library's transformation closure, else the library function jaxtp called
     ([("", "tree_sum"), ("", "clip_by_global_norm.<locals>.update_fn"),
-      ("", "chain.<locals>.update_fn"), ("train.py", "Trainer.step_fn.<locals>.step")],
+      ("", "chain.<locals>.update_fn"), ("train/trainer.py", "Trainer.step_fn.<locals>.step")],
      "jit(step)/reduce_sum", "Trainer.step_fn: clip_by_global_norm"),
-    ([("", "tree_sum"), ("", "tree_norm"), ("train.py", "Trainer.step_fn.<locals>.step")],
+    ([("", "tree_sum"), ("", "tree_norm"), ("train/trainer.py", "Trainer.step_fn.<locals>.step")],
      "jit(step)/reduce_sum", "Trainer.step_fn: tree_norm"),
     # no traceback in the module: the primitive alone
     ([], "jit(f)/all_gather", "all_gather"),

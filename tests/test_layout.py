@@ -1,4 +1,4 @@
-"""jaxtp.layout: the specs and shardings of one config on one mesh, the layer order, and the
+"""jaxtp.step.layout: the specs and shardings of one config on one mesh, the layer order, and the
 batch preparation (ring attention's layout and positions)."""
 
 import dataclasses
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtp import config, layer_order
-from jaxtp.layers.ring_attention import positions_for_layout, to_layout
-from jaxtp.layout import build_layout
+from jaxtp.configs import schema as config
+from jaxtp.pipeline import layer_order
+from jaxtp.parallel.ring_attention import positions_for_layout, to_layout
+from jaxtp.step.layout import build_layout
 
 
 def _layout(*over, training=True):

@@ -1,9 +1,10 @@
 import jax
 import pytest
 
-from jaxtp import config, engine
-from jaxtp.config import ConfigError, ParallelConfig
-from jaxtp.mesh import AXES, build_mesh, resolve_degrees
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.configs.schema import ConfigError, ParallelConfig
+from jaxtp.parallel.mesh import AXES, build_mesh, resolve_degrees
 
 
 def test_axes_order_model_innermost():

@@ -8,7 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtp import config, engine, testing
+from jaxtp import testing
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
 
 RTOL, ATOL = 2e-5, 2e-6
 MESHES = [(8, 1), (2, 4), (1, 8)]  # (data, model)

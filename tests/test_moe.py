@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from jaxtp import hlo
-from jaxtp.execution import ExplicitOps, GSPMDOps, LocalOps
+from jaxtp.inspect import census as hlo
+from jaxtp.parallel.execution import ExplicitOps, GSPMDOps, LocalOps
 from jaxtp.layers import moe
-from jaxtp.sharding import Rules, param_specs
+from jaxtp.parallel.sharding import Rules, param_specs
 
 AXES = ("pipeline", "data", "fsdp", "context", "expert", "model")
 B, S, D, F, E = 8, 32, 32, 64, 8  # 256 tokens

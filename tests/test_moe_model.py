@@ -16,9 +16,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtp import config, engine, inspect, testing, train
-from jaxtp.checkpoint import Checkpointer
-from jaxtp.config import ConfigError
+from jaxtp import testing
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.inspect import report as inspect
+from jaxtp.train import trainer as train
+from jaxtp.ckpt.checkpoint import Checkpointer
+from jaxtp.configs.schema import ConfigError
 from jaxtp.layers.moe import MoESettings, expert_capacity
 
 RTOL, ATOL = 2e-5, 2e-6

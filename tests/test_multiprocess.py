@@ -144,8 +144,8 @@ def test_missing_peer_at_start_is_an_error_not_a_hang(tmp_path):
 
 
 def test_single_process_and_bad_flags(monkeypatch):
-    from jaxtp import distributed
-    from jaxtp.config import ConfigError
+    from jaxtp.parallel import distributed
+    from jaxtp.configs.schema import ConfigError
 
     for var in ("JAXTP_COORDINATOR", "JAXTP_NUM_PROCESSES", "JAXTP_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxtp
-from jaxtp import engine
+from jaxtp.step import engine
 from jaxtp.testing import (assert_trees_close, pad_params, packed_batch, reference_loss_and_grad,
                            unpad)
 
@@ -118,7 +118,7 @@ def test_a_packed_document_scores_as_it_does_alone():
 
 
 def _census(overrides, packed):
-    from jaxtp import hlo
+    from jaxtp.inspect import census as hlo
 
     cfg = jaxtp.config("tiny", overrides)
     eng = engine.build(cfg)

@@ -10,10 +10,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtp import config, engine, inspect, pipelined_step, testing
-from jaxtp.checkpoint import Checkpointer
-from jaxtp.config import ConfigError
-from jaxtp.train import Trainer
+from jaxtp import testing
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.inspect import report as inspect
+from jaxtp.step import pipelined as pipelined_step
+from jaxtp.ckpt.checkpoint import Checkpointer
+from jaxtp.configs.schema import ConfigError
+from jaxtp.train.trainer import Trainer
 
 RTOL, ATOL = 2e-5, 2e-6
 B, S, H = 8, 16, 64  # global batch, seq, d_model
@@ -121,7 +125,7 @@ def test_matmul_flops_equal_the_unpipelined_step(schedule, remat, ratio):
     the unpipelined step's); under remat=full the backward recomputes its stage (5F against the
     unpipelined full recompute's 4F); ZB-H1's B and W split the backward without repeating a
     matmul. tiny, 4 layers, p=2 x data=4, 1F1B / ZB-H1, m=4."""
-    from jaxtp import hlo
+    from jaxtp.inspect import census as hlo
 
     def flops(cfg):
         eng = engine.build(cfg)

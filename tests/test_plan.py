@@ -13,9 +13,13 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxtp import config, cost_model, engine, memory_model, plan
-from jaxtp.config import ConfigError
-from jaxtp.hardware import get_hardware, load_hardware
+from jaxtp.configs import schema as config
+from jaxtp.planner import cost_model
+from jaxtp.step import engine
+from jaxtp.planner import memory_model
+from jaxtp.planner import search as plan
+from jaxtp.configs.schema import ConfigError
+from jaxtp.planner.hardware import get_hardware, load_hardware
 
 REPO = Path(__file__).resolve().parents[1]
 A100, H100 = get_hardware("a100"), get_hardware("h100")
@@ -214,7 +218,7 @@ def test_cli_json_parses_and_is_sorted(tmp_path):
 
 
 def test_cli_pins_and_errors(capsys):
-    from jaxtp import cli
+    from jaxtp.cli import commands as cli
 
     assert cli.main(["plan", "--config", "tiny", "--devices", "8", "--json", "--top", "0",
                      "parallel.model=2", "parallel.pipeline_schedule=1f1b"]) == 0

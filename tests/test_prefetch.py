@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxtp import config, train
-from jaxtp.checkpoint import Checkpointer
-from jaxtp.prefetch import Prefetcher
+from jaxtp.configs import schema as config
+from jaxtp.train import trainer as train
+from jaxtp.ckpt.checkpoint import Checkpointer
+from jaxtp.train.prefetch import Prefetcher
 
 COMMON = ["train.eval_every=1000", "train.eval_batches=1"]
 

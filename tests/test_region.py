@@ -1,4 +1,4 @@
-"""jaxtp.region: one Region per execution mode decides the manual axes, the operators and where
+"""jaxtp.step.region: one Region per execution mode decides the manual axes, the operators and where
 the per-device program starts; it is the only reader of ``parallel.mode``."""
 
 import ast
@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtp import config
-from jaxtp.execution import ExplicitOps, GSPMDOps
-from jaxtp.layout import build_layout
-from jaxtp.region import ExplicitRegion, GSPMDRegion, region_for
-from jaxtp.sharding import Rules
+from jaxtp.configs import schema as config
+from jaxtp.parallel.execution import ExplicitOps, GSPMDOps
+from jaxtp.step.layout import build_layout
+from jaxtp.step.region import ExplicitRegion, GSPMDRegion, region_for
+from jaxtp.parallel.sharding import Rules
 
 
 def _region(*over):

@@ -8,10 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtp import config, engine, hlo, testing
-from jaxtp.config import ConfigError
-from jaxtp.mesh import mesh_shape
-from jaxtp.model import REMAT_POLICIES
+from jaxtp import testing
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.inspect import census as hlo
+from jaxtp.configs.schema import ConfigError
+from jaxtp.parallel.mesh import mesh_shape
+from jaxtp.layers.transformer import REMAT_POLICIES
 
 RTOL, ATOL = 2e-5, 2e-6
 SEQ = 96  # distinct from every other dim of `tiny`, so an s x s residual is recognisable

@@ -1,4 +1,4 @@
-"""Pipeline schedule tables (jaxtp/schedules.py): the textbook tick counts, bubbles and activation
+"""Pipeline schedule tables (jaxtp/pipeline/schedules.py): the textbook tick counts, bubbles and activation
 memory come out of simulating each schedule's per-device order against the data dependencies.
 Expected values are the papers' closed forms, not the code's own output."""
 
@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from jaxtp import schedules
-from jaxtp.schedules import ScheduleError, build, textbook_bubble
+from jaxtp.pipeline import schedules
+from jaxtp.pipeline.schedules import ScheduleError, build, textbook_bubble
 
 CASES = [(p, m) for p, m in itertools.product((2, 4, 8), (1, 2, 4, 8, 16))]
 

@@ -17,8 +17,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from jaxtp import config, engine, inspect, testing
-from jaxtp.config import ConfigError
+from jaxtp import testing
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.inspect import report as inspect
+from jaxtp.configs.schema import ConfigError
 
 RTOL, ATOL = 2e-5, 2e-6
 B, S, H = 8, 64, 64  # tiny preset: global batch, seq, d_model

@@ -1,11 +1,15 @@
-"""jaxtp.step and jaxtp.pipelined_step: one return arity, (loss, grads, metrics), for every
+"""jaxtp.step.plain and jaxtp.step.pipelined: one return arity, (loss, grads, metrics), for every
 layout, and a forward-only pipelined loss that runs no backward."""
 
 import jax
 import numpy as np
 import pytest
 
-from jaxtp import config, engine, hlo, pipelined_step, testing
+from jaxtp import testing
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.inspect import census as hlo
+from jaxtp.step import pipelined as pipelined_step
 
 BASE = ["train.batch_size=8", "train.seq_len=32"]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxtp import config, train
+from jaxtp.configs import schema as config
+from jaxtp.train import trainer as train
 from jaxtp.testing import kill_when_saved, train_env
 
 COMMON = ["train.log_every=5", "train.eval_every=1000", "train.eval_batches=1"]
@@ -59,7 +60,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
                                f"train.out_dir={tmp_path}", *COMMON])
     with pytest.raises(train.TrainingDiverged, match="last good checkpoint is step"):
         train.run(cfg)
-    from jaxtp.checkpoint import Checkpointer
+    from jaxtp.ckpt.checkpoint import Checkpointer
 
     ckpt = Checkpointer(tmp_path / "checkpoints", keep=3, cfg=cfg)
     step = ckpt.latest_step()
@@ -91,8 +92,8 @@ def test_resume_onto_another_mesh(tmp_path):
 def test_lr_schedule_warmup_and_decay():
     """Linear warmup from 0 to the peak, cosine down to lr x min_lr_ratio at the last step;
     without warmup the first step already uses the peak."""
-    from jaxtp.config import TrainConfig
-    from jaxtp.optim import schedule
+    from jaxtp.configs.schema import TrainConfig
+    from jaxtp.train.optim import schedule
 
     warm = schedule(TrainConfig(lr=1e-3, warmup_steps=10, steps=100, min_lr_ratio=0.1))
     np.testing.assert_allclose([warm(0), warm(5), warm(10), warm(100)], [0, 5e-4, 1e-3, 1e-4],

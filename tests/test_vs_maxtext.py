@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxtp import host_malloc
+from jaxtp.cli import host_malloc
 
 REPO = Path(__file__).resolve().parents[1]
 

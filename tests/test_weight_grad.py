@@ -1,4 +1,4 @@
-"""ZB-H1's backward split (jaxtp.weight_grad) on the real model's blocks: B then W equals the
+"""ZB-H1's backward split (jaxtp.pipeline.weight_grad) on the real model's blocks: B then W equals the
 joint backward, and what B hands to W is exactly each weight matmul's input and output cotangent
 (nothing else of the stage is kept from B to W)."""
 
@@ -7,7 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtp import config, engine, pipelined_step, stage_residuals, weight_grad
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.step import pipelined as pipelined_step
+from jaxtp.pipeline import stage_residuals
+from jaxtp.pipeline import weight_grad
 
 D, F, LAYERS, B, S = 64, 256, 2, 2, 16
 

@@ -15,12 +15,15 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtp import config, engine, hlo, testing
-from jaxtp.checkpoint import Checkpointer
-from jaxtp.config import ConfigError
-from jaxtp.mesh import mesh_shape
-from jaxtp.sharding import zero_axes_of
-from jaxtp.train import Trainer
+from jaxtp import testing
+from jaxtp.configs import schema as config
+from jaxtp.step import engine
+from jaxtp.inspect import census as hlo
+from jaxtp.ckpt.checkpoint import Checkpointer
+from jaxtp.configs.schema import ConfigError
+from jaxtp.parallel.mesh import mesh_shape
+from jaxtp.parallel.sharding import zero_axes_of
+from jaxtp.train.trainer import Trainer
 
 RTOL, ATOL = 2e-5, 2e-6
 STEPS = 3

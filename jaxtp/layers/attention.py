@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtp.config import ModelConfig
+from jaxtp.configs.schema import ModelConfig
 from jaxtp.layers import param, residual_std
 from jaxtp.layers.norm import rms_norm
-from jaxtp.weight_grad import weight_einsum
+from jaxtp.pipeline.weight_grad import weight_einsum
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:
@@ -103,7 +103,7 @@ class Attention(nnx.Module):
     def project_qkv(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], ops
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``f`` and the column-parallel projection: ``x [B,S,D] -> q [B,S,N,H], k, v [B,S,K,H]``
-        (RoPE applied to q and k). Decode (:mod:`jaxtp.decode`) stores k and v in its cache."""
+        (RoPE applied to q and k). Decode (:mod:`jaxtp.serve.decode`) stores k and v in its cache."""
         cdt = self.compute_dtype
         h = ops.copy_to_model(x).astype(cdt)                                   # f; (B, S, D)
         qkv = weight_einsum("bsd,dkgh->bskgh", h, self.w_qkv[...].astype(cdt))  # (B, S, K, G+2, H)

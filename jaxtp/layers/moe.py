@@ -26,9 +26,9 @@ is expert ``i`` (before capacity), ``P_i`` the mean router probability of expert
 
 Expert parallelism over the ``expert`` axis (per device, inside ``jax.shard_map``): tokens are
 sharded over the batch dim on the data axes *and* ``expert`` (expert ranks are data ranks for the
-rest of the model), experts over ``expert``. :func:`~jaxtp.collectives.dispatch_to_experts` is
+rest of the model), experts over ``expert``. :func:`~jaxtp.parallel.collectives.dispatch_to_experts` is
 one all-to-all that sends each expert rank the ``[E_local, C, D]`` slots of every local group;
-:func:`~jaxtp.collectives.combine_from_experts` is its inverse. JAX's transpose of an all-to-all
+:func:`~jaxtp.parallel.collectives.combine_from_experts` is its inverse. JAX's transpose of an all-to-all
 is the inverse all-to-all, so backward runs the same two, mirrored. The expert MLP may also be Megatron
 tensor-parallel over ``model`` (``mlp`` sharded): ``f`` at the block input, ``g`` at its output,
 exactly as the dense MLP. In the global view (single device, GSPMD) the same einsums run, and the
@@ -47,15 +47,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtp import validate
-from jaxtp.axes import BATCH_AXES, CONTEXT
-from jaxtp.axes import EXPERT as EXPERT_AXIS
+from jaxtp.parallel import validate
+from jaxtp.configs.axes import BATCH_AXES, CONTEXT
+from jaxtp.configs.axes import EXPERT as EXPERT_AXIS
 
 # the two all-to-alls of expert parallelism live with the other collectives; re-exported here
-from jaxtp.collectives import EXPERT, combine_from_experts, dispatch_to_experts
-from jaxtp.config import ConfigError
+from jaxtp.parallel.collectives import EXPERT, combine_from_experts, dispatch_to_experts
+from jaxtp.configs.schema import ConfigError
 from jaxtp.layers import param, residual_std
-from jaxtp.weight_grad import weight_einsum
+from jaxtp.pipeline.weight_grad import weight_einsum
 
 # Mesh axes that shard tokens: the statistics of the routing are averaged over them. `pipeline`
 # is not one (different stages hold different layers) and `model` holds copies of the same tokens
@@ -90,7 +90,7 @@ class MoESettings:
 
 def check_moe(settings: MoESettings, expert_degree: int = 1) -> None:
     """Raise ``ConfigError`` (a ``ValueError``) naming the fix, before any compile (the rules live
-    in :func:`jaxtp.validate.check_experts`)."""
+    in :func:`jaxtp.parallel.validate.check_experts`)."""
     s = settings
     validate.check_experts(n_experts=s.n_experts, top_k=s.top_k,
                            capacity_factor=s.capacity_factor, moe_every=s.moe_every,

@@ -1,0 +1,1 @@
+"""The ``jaxtp`` command: a thin shell of verbs over the Python API."""

@@ -1,0 +1,2 @@
+"""Hugging Face interop: Llama-family checkpoints imported onto any layout, and exported back as
+a directory ``transformers`` loads."""
