@@ -291,8 +291,7 @@ def test_failed_background_save_stops_the_run(tmp_path):
 
 STALL = """
 import sys, time
-from jaxtp.cli import commands as cli
-from jaxtp.train import trainer as train
+from jaxtp.cli import commands as cli; from jaxtp.train import trainer as train
 make = train.Trainer.step_fn
 def stalling(self, state):
     fn, calls = make(self, state), [0]

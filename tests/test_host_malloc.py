@@ -62,7 +62,7 @@ def test_a_bad_choice_is_one_line_naming_the_key_the_value_and_the_fix(tmp_path)
         "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"]
 
 
-_PROBE = ("from jaxtp import host_malloc; host_malloc.reexec_if_needed(['train']); import os, "
+_PROBE = ("from jaxtp.cli import host_malloc; host_malloc.reexec_if_needed(['train']); import os, "
           "sys; print(os.getpid(), os.environ.get('GLIBC_TUNABLES'), sys.argv[1:], "
           "host_malloc.describe() is not None, 'jax' in sys.modules, host_malloc.MARK in "
           "os.environ)")
