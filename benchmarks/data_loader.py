@@ -28,7 +28,7 @@ import jax  # noqa: E402
 
 from jaxtp.configs import schema as config_lib  # noqa: E402
 from jaxtp.data import batches as data  # noqa: E402
-from jaxtp.data.prepare import prepare  # noqa: E402
+from jaxtp.data.prepare_data import prepare  # noqa: E402
 from jaxtp.train.trainer import Trainer  # noqa: E402
 
 

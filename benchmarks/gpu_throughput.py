@@ -131,7 +131,7 @@ def main() -> int:
 
     from jaxtp.configs import schema as config_lib
     from jaxtp.configs.schema import ConfigError
-    from jaxtp.inspect.report import analytic_flops
+    from jaxtp.inspect.placement import analytic_flops
     from jaxtp.planner.hardware import PEAK_FLOPS
     from jaxtp.train.trainer import Trainer
 

@@ -4,7 +4,7 @@
 For each layout the baseline (on CPU device 0) and jaxtp (on all 8 simulated devices) are compiled
 and warmed up, then run in interleaved blocks A B A B ... (``--rounds`` pairs of ``--steps`` steps
 each), so that drift in machine load hits both alike; the ratio is taken per pair and its median
-reported. MFU is the analytic model FLOPs (6NT + attention, as ``jaxtp.inspect.report.analytic_flops``)
+reported. MFU is the analytic model FLOPs (6NT + attention, as ``jaxtp.inspect.placement.analytic_flops``)
 per second over a matmul peak measured in the same run (best of ``jaxtp.train.flops.measure_cpu_peak``
 before and after). The 8 simulated devices share the host's cores, so ~1.0x the single-device
 baseline is the realistic ceiling on CPU: this measures jaxtp's overhead, not a parallel speed-up.
@@ -38,7 +38,7 @@ import baseline  # noqa: E402
 from jaxtp.configs import schema as config_lib  # noqa: E402
 from jaxtp.step import engine as engine_lib  # noqa: E402
 from jaxtp.configs.schema import ConfigError  # noqa: E402
-from jaxtp.inspect.report import analytic_flops  # noqa: E402
+from jaxtp.inspect.placement import analytic_flops  # noqa: E402
 from jaxtp.train.flops import measure_cpu_peak  # noqa: E402
 from jaxtp.train.trainer import Trainer  # noqa: E402
 

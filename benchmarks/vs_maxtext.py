@@ -11,7 +11,7 @@ its ``completed step: k, seconds: s`` lines). Rounds alternate the order (A B, t
 ratio is taken per round. Both sides' FLOPs are :func:`jaxtp.train.flops.model_flops` of the one model.
 The first round also compiles each side's train step for the collective census: jaxtp's from
 ``Trainer.step_fn(...).lower(...).compile().as_text()``, MaxText's from the optimized HLO that
-``XLA_FLAGS=--xla_dump_to`` writes; both go through :func:`jaxtp.inspect.census.collectives`.
+``XLA_FLAGS=--xla_dump_to`` writes; both go through :func:`jaxtp.inspect.hlo.collectives`.
 
 MaxText is installed on first use into ``~/.cache/jaxtp/maxtext-venv`` (Python >= 3.12 from
 pyenv or PATH; ``pip install --no-deps maxtext`` plus the modules its train entry imports, listed
@@ -289,7 +289,7 @@ def steady(run: dict, warmup: int, tokens: int) -> float:
 
 
 def census_rows(hlo_text: str, mesh: dict) -> dict:
-    from jaxtp.inspect import census as hlo
+    from jaxtp.inspect import hlo
 
     rows = hlo.census(hlo.collectives(hlo_text, mesh))
     return {f"{r['kind']} over {'+'.join(r['axes']) or '-'}": (r["count"], r["bytes"])

@@ -11,7 +11,7 @@ Reproduction: the ``tiny`` preset (h=64, s=64, global batch b=8, SwiGLU, untied,
 ``model.vocab_size=2048`` so that the per-device logits ``b_local x s x v/t`` are clearly larger
 than any activation, on 8 simulated CPU devices as ``data = 8/t`` x ``model = t`` for
 t in {1, 2, 4, 8}, in both execution modes (GSPMD and explicit ``shard_map``). Each step is compiled
-ahead of time and the census is read from the optimized HLO (``jaxtp.inspect.report.report``). Measured:
+ahead of time and the census is read from the optimized HLO (``jaxtp.inspect.placement.report``). Measured:
 
 - per-layer collectives over ``model``: the census of an ``n_layers=3`` step minus that of an
   ``n_layers=2`` step, for the forward-only loss and for loss+grad. Expected: 2 and 4 all-reduces,
@@ -50,7 +50,7 @@ import jax  # noqa: E402
 
 from jaxtp.configs import schema as config  # noqa: E402
 from jaxtp.step import engine  # noqa: E402
-from jaxtp.inspect import report as inspect  # noqa: E402
+from jaxtp.inspect import placement as inspect  # noqa: E402
 
 N_DEVICES, BYTES = 8, 4  # fp32 activations and parameters
 OVERRIDES = ["model.vocab_size=2048"]
@@ -72,7 +72,7 @@ def measure(tp: int, mode: str) -> dict:
                                     f"parallel.data={N_DEVICES // tp}", f"parallel.model={tp}",
                                     f"model.n_layers={n_layers}"])
 
-    reports = {(n, step): inspect.report(engine.build(cfg(n)), step=step)
+    reports = {(n, step): inspect.report(engine.build_engine(cfg(n)), step=step)
                for n in (2, 3) for step in ("loss", "grad")}
     census = {k: model_collectives(r.ops) for k, r in reports.items()}
     layer = {step: census[3, step] - census[2, step] for step in ("loss", "grad")}
@@ -80,7 +80,7 @@ def measure(tp: int, mode: str) -> dict:
         raise RuntimeError(f"TP={tp} {mode}: a collective disappeared when adding a layer")
     c = cfg(3)
     m, t = c.model, c.train
-    eng = engine.build(c)
+    eng = engine.build_engine(c)
     b_local = t.batch_size // (N_DEVICES // tp)
     bsh = b_local * t.seq_len * m.d_model * BYTES if tp > 1 else 0
     hd, vp = m.resolved_head_dim, eng.padded_vocab

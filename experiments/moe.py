@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxtp.inspect import census as hlo  # noqa: E402
+from jaxtp.inspect import hlo  # noqa: E402
 from jaxtp.parallel.execution import ExplicitOps, GSPMDOps  # noqa: E402
 from jaxtp.layers import moe  # noqa: E402
 from jaxtp.parallel.mesh import AXES  # noqa: E402

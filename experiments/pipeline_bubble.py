@@ -58,9 +58,9 @@ import jax  # noqa: E402
 
 from jaxtp import testing  # noqa: E402
 from jaxtp.configs import schema as config  # noqa: E402
-from jaxtp.inspect import census as hlo  # noqa: E402
+from jaxtp.inspect import hlo  # noqa: E402
 from jaxtp.pipeline import program as pipeline_program  # noqa: E402
-from jaxtp.pipeline import runtime as pipeline  # noqa: E402
+from jaxtp import pipeline  # noqa: E402
 from jaxtp.pipeline import schedules  # noqa: E402
 from jaxtp.step import engine  # noqa: E402
 from jaxtp.step import pipelined as pipelined_step  # noqa: E402
@@ -89,9 +89,9 @@ def cfg_of(name: str, p: int, m: int, v: int, n_layers: int) -> config.Config:
 
 def schedule_row(name: str, p: int, m: int, v: int) -> dict:
     """What the table and the runtime's program say: ticks, bubble, formulas, slots, time."""
-    s = schedules.build(name, p, m, v)
+    s = schedules.build_schedule(name, p, m, v)
     prog = pipeline.compile_schedule(s, residuals=pipeline_program.stores_residuals(name, "none"))
-    gpipe = pipeline.compile_schedule(schedules.build("gpipe", p, m), residuals=False)
+    gpipe = pipeline.compile_schedule(schedules.build_schedule("gpipe", p, m), residuals=False)
     return dict(schedule=name, p=p, m=m, v=v, ticks=s.ticks, bubble=s.bubble_fraction,
                 textbook=schedules.formula_bubble(name, p, m, v),
                 formula_1=(p - 1) / (m + p - 1), formula_v=(p - 1) / (2 * m + p - 1),
@@ -119,7 +119,7 @@ def unpipelined_flops(p: int, m: int, n_layers: int) -> float:
     """The same global batch without a pipeline (data = 8, one micro-batch)."""
     cfg = config.load("tiny", [f"model.n_layers={n_layers}", f"train.seq_len={S}",
                                f"parallel.data={N_DEVICES}", f"train.batch_size={m * B * 8 // p}"])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     return _flops(cfg, eng.loss_and_grad().lower(*eng.abstract_inputs()).compile())
 
 
@@ -127,7 +127,7 @@ def measure(row: dict, n_layers: int, repeats: int) -> dict:
     """Compile ``loss_and_grad`` for the row's config; its FLOPs, per-device memory, step time."""
     cfg = cfg_of(row["schedule"], row["p"], row["m"], row["v"], n_layers)
     t0 = time.perf_counter()
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     compiled = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
@@ -175,7 +175,7 @@ def wall_rows() -> list[dict]:
             steps = {}
             for name in ("gpipe", "1f1b", "zb1"):
                 cfg = _wall_cfg(w, name, m)
-                eng = engine.build(cfg, jax.devices()[:WALL_P])
+                eng = engine.build_engine(cfg, jax.devices()[:WALL_P])
                 compiled = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile()
                 args = (eng.init_params(), eng.shard_batch(testing.random_batch(cfg)))
                 jax.block_until_ready(compiled(*args))  # warm-up
@@ -188,7 +188,7 @@ def wall_rows() -> list[dict]:
                     times[name].append(time.perf_counter() - t0)
             for name, ts in times.items():
                 prog = pipeline.compile_schedule(
-                    schedules.build(name, WALL_P, m),
+                    schedules.build_schedule(name, WALL_P, m),
                     residuals=pipeline_program.stores_residuals(name, "none"))
                 out.append(dict(schedule=name, m=m, d_model=w["d_model"], b=w["b"],
                                 step_s=statistics.median(ts), spread=max(ts) / min(ts),
@@ -241,7 +241,7 @@ def split_rows(repeats: int = 5) -> list[dict]:
                                    f"model.d_model={d}", f"model.d_ff={4 * d}",
                                    f"train.seq_len={s}", "parallel.data=1",
                                    f"train.batch_size={b}"])
-        eng = engine.build(cfg, jax.devices()[:1])
+        eng = engine.build_engine(cfg, jax.devices()[:1])
         parts = pipelined_step._Parts(eng.layout, eng.region, manual=False)
         blocks = eng.init_params()["blocks"]
         rope = parts.rope(jnp.broadcast_to(jnp.arange(s), (b, s)))

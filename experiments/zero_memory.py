@@ -58,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import jax  # noqa: E402
 
 from jaxtp.configs import schema as config  # noqa: E402
-from jaxtp.inspect import census as hlo  # noqa: E402
-from jaxtp.inspect import report as inspect  # noqa: E402
+from jaxtp.inspect import hlo  # noqa: E402
+from jaxtp.inspect import placement as inspect  # noqa: E402
 from jaxtp.parallel.mesh import mesh_shape  # noqa: E402
 from jaxtp.train.trainer import Trainer  # noqa: E402
 

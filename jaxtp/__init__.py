@@ -12,7 +12,7 @@ import importlib
 
 __version__ = "0.1.0"
 _FROM = {"Config": "jaxtp.api", "ConfigError": "jaxtp.api", "Model": "jaxtp.api",
-         "Trainer": "jaxtp.api", "run_config": "jaxtp.api", "prepare_data": "jaxtp.data.prepare"}
+         "Trainer": "jaxtp.api", "run_config": "jaxtp.api", "prepare_data": "jaxtp.data.prepare_data"}
 _MODULES = {"config": "jaxtp.configs.schema", "data": "jaxtp.data"}
 __all__ = ["Config", "ConfigError", "Model", "Trainer", "config", "data", "prepare_data",
            "run_config"]

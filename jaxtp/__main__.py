@@ -1,5 +1,5 @@
 import sys
 
-from jaxtp.cli.launch import main
+from jaxtp.cli import main
 
 sys.exit(main())

@@ -30,17 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtp.configs import schema as config_lib
-from jaxtp.configs.axes import CONTEXT, MODEL
-from jaxtp.configs.check_values import validate_model
-from jaxtp.ckpt.checkpoint import Checkpointer
-from jaxtp.configs.schema import Config, ConfigError
-from jaxtp.step.engine import Engine, build
-from jaxtp.serve.generate import Generator
-from jaxtp.ckpt.run_dir import read_run_config, write_run_config
-from jaxtp.serve.sampling import SamplerArgs
-from jaxtp.train.trainer import Trainer
-from jaxtp.parallel.validate import batch_shards, check_sequence
+from jaxtp.ckpt import Checkpointer, read_run_config, write_run_config
+from jaxtp.configs import CONTEXT, MODEL, Config, ConfigError, apply_overrides, validate_model
+from jaxtp.parallel import batch_shards, check_sequence
+from jaxtp.serve import Generator, SamplerArgs
+from jaxtp.step import Engine, build_engine
+from jaxtp.train import Trainer
 
 
 def _text(value) -> str:
@@ -54,7 +49,7 @@ def run_config(run_dir: str | Path, overrides: Mapping[str, object] | Sequence[s
     cfg = read_run_config(run_dir)
     if isinstance(overrides, Mapping):
         overrides = [f"{k}={_text(v)}" for k, v in overrides.items()]
-    cfg = config_lib.apply_overrides(cfg, list(overrides))
+    cfg = apply_overrides(cfg, list(overrides))
     validate_model(cfg.model)
     return cfg
 
@@ -73,7 +68,7 @@ class Model:
     def __init__(self, cfg: Config, *, seed: int | None = None, params: nnx.State | None = None,
                  devices=None):
         self.cfg = cfg
-        self.engine: Engine = build(cfg, devices, training=False)
+        self.engine: Engine = build_engine(cfg, devices, training=False)
         if params is None:
             self.params = self.engine.layout.init_params(seed)
         else:
@@ -88,7 +83,7 @@ class Model:
         cfg = run_config(run_dir, overrides)
         model = cls.__new__(cls)
         model.cfg, model._fns = cfg, {}
-        model.engine = build(cfg, devices, training=False)
+        model.engine = build_engine(cfg, devices, training=False)
         layout = model.engine.layout
         ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=1, cfg=cfg,
                             layer_order=layout.natural_layers)
@@ -103,26 +98,26 @@ class Model:
                 *, devices=None) -> Model:
         """A Hugging Face Llama-family directory (``config.json`` + safetensors) on the layout
         ``overrides`` give (``{"parallel.model": 4}``); each device reads only its slices."""
-        from jaxtp.hf import importer as hf
+        from jaxtp.hf import config_from_hf, load_params
 
-        cfg = hf.config_from_hf(path)
+        cfg = config_from_hf(path)
         if isinstance(overrides, Mapping):
             overrides = [f"{k}={_text(v)}" for k, v in overrides.items()]
-        cfg = config_lib.apply_overrides(cfg, list(overrides))
+        cfg = apply_overrides(cfg, list(overrides))
         validate_model(cfg.model)
         model = cls.__new__(cls)
         model.cfg, model._fns = cfg, {}
-        model.engine = build(cfg, devices, training=False)
-        model.params = hf.load_params(path, model.engine.layout)
+        model.engine = build_engine(cfg, devices, training=False)
+        model.params = load_params(path, model.engine.layout)
         return model
 
     def save_hf(self, path: str | Path) -> Path:
         """Write a Hugging Face directory ``transformers.AutoModelForCausalLM`` loads: config.json
         and sharded safetensors with an index, vocab padding stripped, tensor by tensor."""
-        from jaxtp.hf import exporter as hf_export
+        from jaxtp.hf import save_hf
 
         params = self.layout.natural_layers(self.params)
-        return hf_export.save(params, self.cfg.model, path)
+        return save_hf(params, self.cfg.model, path)
 
     @property
     def layout(self):

@@ -2,7 +2,7 @@
 
 Typical use (tests, notebooks)::
 
-    eng = engine.build(cfg)                       # a mesh over the 8 simulated devices
+    eng = engine.build_engine(cfg)                       # a mesh over the 8 simulated devices
     ref = engine.reference_params(cfg)            # unsharded, vocab padded for TP=1
     params = eng.shard_params(pad_params(ref, eng))
     assert_close(eng.loss_and_grad()(params, batch), reference_loss_and_grad(cfg, ref, batch))
@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtp.configs.schema import Config
-from jaxtp.step.engine import Engine, reference_loss_fn
-from jaxtp.step.engine import build as engine_build
-from jaxtp.step.engine import reference_params as _reference_params
+from jaxtp.configs import Config
+from jaxtp.step import Engine, reference_loss_fn
+from jaxtp.step import build_engine as engine_build
+from jaxtp.step import reference_params as _reference_params
 
 
 def random_batch(cfg: Config, seed: int = 0) -> dict[str, jax.Array]:
@@ -130,7 +130,7 @@ def assert_restores(directory, step: int, trainer, want, *, layer_order=None) ->
     the shardings ``trainer.abstract_state()`` asks for, and bit-equal to ``want`` (host arrays
     in the state's tree order). ``layer_order``: the target's ``Engine.natural_layers`` when its
     layers are stored in pipeline order."""
-    from jaxtp.ckpt.checkpoint import Checkpointer  # orbax is only needed here
+    from jaxtp.ckpt import Checkpointer  # orbax is only needed here
 
     like = trainer.abstract_state()
     ckpt = Checkpointer(directory, keep=1, cfg=trainer.cfg, layer_order=layer_order)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
-from jaxtp.inspect import report as inspect
+from jaxtp.inspect import placement as inspect
 
 DATA, MODEL = 2, 4
 B, S, H = 8, 64, 64  # global batch, seq, d_model of the tiny preset
@@ -18,7 +18,7 @@ B, S, H = 8, 64, 64  # global batch, seq, d_model of the tiny preset
 def _ops(mode, n_layers, step, extra=()):
     cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.data={DATA}",
                                f"parallel.model={MODEL}", f"model.n_layers={n_layers}", *extra])
-    return inspect.report(engine.build(cfg), step=step).ops
+    return inspect.report(engine.build_engine(cfg), step=step).ops
 
 
 def _model_all_reduces(ops):
@@ -48,9 +48,9 @@ def test_per_layer_census(mode):
 
 
 def test_both_modes_same_census():
-    g = inspect.report(engine.build(config.load("tiny", [
+    g = inspect.report(engine.build_engine(config.load("tiny", [
         "parallel.mode=gspmd", f"parallel.data={DATA}", f"parallel.model={MODEL}"])))
-    e = inspect.report(engine.build(config.load("tiny", [
+    e = inspect.report(engine.build_engine(config.load("tiny", [
         "parallel.mode=explicit", f"parallel.data={DATA}", f"parallel.model={MODEL}"])))
     model = [{k: c[k] for k in ("kind", "axes", "count", "bytes")} for c in g.collectives
              if c["axes"] == ["model"]]
@@ -92,7 +92,7 @@ def test_compositions_have_the_same_census_in_both_modes(name):
     census = {}
     for mode in ("gspmd", "explicit"):
         cfg = config.load("tiny", [f"parallel.mode={mode}", *COMPOSITIONS[name]])
-        report = inspect.report(engine.build(cfg), step="train")
+        report = inspect.report(engine.build_engine(cfg), step="train")
         census[mode] = {(c["kind"], tuple(c["axes"])): c["bytes"] for c in report.collectives}
     g, e = census["gspmd"], census["explicit"]
     for key in sorted(set(g) | set(e)):
@@ -105,7 +105,7 @@ def test_loss_never_moves_logits(mode):
     """Vocab-parallel cross-entropy exchanges O(b x s) values, never the b x s x v logits."""
     cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.data={DATA}",
                                f"parallel.model={MODEL}", "model.vocab_size=2048"])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     local_logits = (B // DATA) * S * (eng.padded_vocab // MODEL) * 4
     r = inspect.report(eng)
     assert local_logits > 4 * (B // DATA) * S * H * 4  # the check below can tell them apart
@@ -121,7 +121,7 @@ def test_loss_never_moves_logits(mode):
 def test_data_parallel_only_has_no_model_collectives(mode):
     # explicit mode psums over the size-1 `model` axis; XLA keeps those as one-device
     # all-reduces, which move nothing and must not be counted
-    r = inspect.report(engine.build(config.load("tiny", ["parallel.data=8",
+    r = inspect.report(engine.build_engine(config.load("tiny", ["parallel.data=8",
                                                          f"parallel.mode={mode}"])))
     assert [c["axes"] for c in r.collectives] == [["data"]]
 
@@ -144,7 +144,7 @@ def test_micro_batches_sync_gradients_once_per_step(mode):
     m = 4
     cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.data={DATA}",
                                f"parallel.model={MODEL}", f"train.microbatches={m}"])
-    r = inspect.report(engine.build(cfg))
+    r = inspect.report(engine.build_engine(cfg))
     dp = [op for op in r.ops if op.axes == ("data",)]
     assert len(dp) == 1 and dp[0].executions == 1
     params = r.per_device_bytes["params"]
@@ -160,7 +160,7 @@ def test_param_table_flags_a_mis_sharded_parameter():
     t times its ideal bytes."""
     import jax
 
-    eng = engine.build(config.load("tiny", ["parallel.data=2", "parallel.model=4"]))
+    eng = engine.build_engine(config.load("tiny", ["parallel.data=2", "parallel.model=4"]))
     good = inspect.param_table(eng)
     assert not [r for r in good if r["flagged"]]
     w_up = next(r for r in good if r["param"] == "blocks.mlp.w_up")

@@ -12,7 +12,7 @@ import pytest
 
 from jaxtp.ckpt import checkpoint
 from jaxtp.configs import schema as config
-from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo
 from jaxtp.train import loop
 from jaxtp.train import trainer as train
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from jaxtp.data import batches as data
+from jaxtp import data
 from jaxtp.configs.schema import ConfigError, DataConfig
 
 

@@ -16,7 +16,7 @@ from jaxtp.configs import schema as config
 from jaxtp.data import corpus
 from jaxtp.data import batches as data
 from jaxtp.configs.schema import ConfigError, DataConfig
-from jaxtp.data.prepare import prepare
+from jaxtp.data.prepare_data import prepare
 from jaxtp.testing import kill_when_saved, train_env
 
 DOCS = [f"document {i}: " + "abcdefghij"[i % 10] * (3 + 7 * i % 41) for i in range(60)]

@@ -10,7 +10,7 @@ import pytest
 import jaxtp
 from jaxtp.serve import decode
 from jaxtp.step import engine
-from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo
 from jaxtp.configs.schema import ConfigError
 from jaxtp.serve.generate import Generator
 from jaxtp.serve.sampling import SamplerArgs, filter_logits, row_keys, sample
@@ -166,7 +166,7 @@ def test_sampler_filters():
 def _layout(mode, data, model, **extra):
     cfg = jaxtp.config("tiny", {"parallel.mode": mode, "parallel.data": data,
                                 "parallel.model": model, "model.max_seq_len": 32, **extra})
-    return engine.build(cfg, jax.devices()[: data * model], training=False)
+    return engine.build_engine(cfg, jax.devices()[: data * model], training=False)
 
 
 def _step_collectives(mode, n_layers, rows):
@@ -212,6 +212,6 @@ def test_errors():
                           ({"parallel.context": 2, "parallel.data": 4}, "context"),
                           ({"parallel.model": 2, "parallel.sequence_parallel": True},
                            "sequence_parallel")]:
-        e = engine.build(jaxtp.config("tiny", refused), training=False)
+        e = engine.build_engine(jaxtp.config("tiny", refused), training=False)
         with pytest.raises(ConfigError, match=word):
             Generator(e.layout, e.region)

@@ -1,4 +1,4 @@
-"""jaxtp.serve.evaluate and the `sample` / `eval` verbs: metrics on a task whose answer is known (a
+"""jaxtp.serve.evaluation and the `sample` / `eval` verbs: metrics on a task whose answer is known (a
 model built to predict "the next byte value"), and the CLI run as a user would."""
 
 import json
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxtp
-from jaxtp.serve import evaluate
+from jaxtp.serve import evaluation as evaluate
 from jaxtp.configs.schema import ConfigError
 from jaxtp.testing import train_env
 

@@ -1,6 +1,6 @@
 """The census parser on each of XLA's replica-group spellings (expected groups worked by hand)."""
 
-from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo
 
 MESH_2x4 = {"pipeline": 1, "data": 2, "fsdp": 1, "context": 1, "expert": 1, "model": 4}
 MODEL_GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]

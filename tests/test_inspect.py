@@ -14,9 +14,9 @@ import jaxtp
 from jaxtp.cli import commands as cli
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
-from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo
 from jaxtp.inspect import hlo_source
-from jaxtp.inspect import report as inspect
+from jaxtp.inspect import placement as inspect
 from jaxtp.configs.schema import ConfigError, ParallelConfig
 from jaxtp.parallel.mesh import mesh_shape
 
@@ -43,7 +43,7 @@ def train_report(request):
     """The train step of tiny on (data=2, model=4), ``data`` simulated across 2 hosts."""
     cfg = config.load("tiny", [f"parallel.mode={request.param}", *TP_MESH,
                                "parallel.dcn_data=2"])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     return cfg, eng, inspect.report(eng, step="train")
 
 
@@ -189,7 +189,7 @@ def test_source_rule(frames, op_name, expected):
 def test_tracebacks_reach_the_caller():
     """XLA's StackFrames table is read with the right parent convention: a collective's traceback
     runs from its operator out to this test."""
-    eng = engine.build(config.load("tiny", ["parallel.mode=explicit", *TP_MESH]))
+    eng = engine.build_engine(config.load("tiny", ["parallel.mode=explicit", *TP_MESH]))
     text = inspect.compile_step(eng, "loss").as_text()
     ops = hlo.collectives(text, mesh_shape(eng.mesh))
     # the embedding's g: the one [b_local, s, d] all-reduce outside the layer loop

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtp.configs import schema as config
 from jaxtp.pipeline import layer_order
-from jaxtp.parallel.ring_attention import positions_for_layout, to_layout
+from jaxtp.parallel.ring import positions_for_layout, to_layout
 from jaxtp.step.layout import build_layout
 
 

@@ -51,10 +51,10 @@ def test_inferred_not_divisible():
 def test_invalid_configs_fail_before_compile(overrides, match):
     cfg = config.load("tiny", overrides)
     if match is None:
-        engine.build(cfg)  # valid: builds without error
+        engine.build_engine(cfg)  # valid: builds without error
         return
     with pytest.raises(ConfigError, match=match):
-        engine.build(cfg)
+        engine.build_engine(cfg)
 
 
 def test_device_count_is_eight():

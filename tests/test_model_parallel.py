@@ -60,7 +60,7 @@ def test_padding_never_changes_the_loss():
     """Garbage in the padded rows must not move the loss (they are masked out of the softmax)."""
     cfg = config.load("tiny", ["parallel.data=1", "parallel.model=8", "model.vocab_size=250",
                                "model.vocab_pad_multiple=16"])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     ref = engine.reference_params(cfg)
     batch = eng.shard_batch(testing.random_batch(cfg))
     clean = testing.pad_params(ref, eng)
@@ -77,7 +77,7 @@ def test_padding_never_changes_the_loss():
 
 def test_sharded_init_places_params_without_gathering():
     cfg = config.load("tiny", ["parallel.data=2", "parallel.model=4"])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     params = eng.init_params()
     w_down = params["blocks"]["mlp"]["w_down"][...]
     assert w_down.sharding.spec == eng.param_specs["blocks"]["mlp"]["w_down"]
@@ -98,7 +98,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_loss(mode):
     """Mixed precision: bf16 matmuls, fp32 parameters, gradients, softmax and loss."""
     cfg = config.load("tiny", [f"parallel.mode={mode}", "parallel.data=2", "parallel.model=4",
                                "model.compute_dtype=bfloat16"])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     ref_params = engine.reference_params(cfg)
     batch = testing.random_batch(cfg)
     fp32 = config.load("tiny", ["parallel.data=2", "parallel.model=4"])

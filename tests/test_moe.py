@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
-from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo
 from jaxtp.parallel.execution import ExplicitOps, GSPMDOps, LocalOps
 from jaxtp.layers import moe
 from jaxtp.parallel.sharding import Rules, param_specs

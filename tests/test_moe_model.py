@@ -19,7 +19,7 @@ import pytest
 from jaxtp import testing
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
-from jaxtp.inspect import report as inspect
+from jaxtp.inspect import placement as inspect
 from jaxtp.train import trainer as train
 from jaxtp.ckpt.checkpoint import Checkpointer
 from jaxtp.configs.schema import ConfigError
@@ -47,7 +47,7 @@ def _check(mode, overrides, *, microbatches=1):
     cfg = config.load("tiny", [*MODEL, f"parallel.mode={mode}", *overrides,
                                f"train.batch_size={batch_size}",
                                f"train.microbatches={microbatches}"])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     ref_fn, ref_params = _reference_fn(cfg)
     batch = testing.random_batch(cfg)
     # micro-batch k holds rows k, k+m, ...: its router loss is its own (then averaged)
@@ -98,7 +98,7 @@ def _all_to_alls(overrides, n_layers, step):
     """Executions of the all-to-alls over `expert` in the step's forward and backward halves
     (backward ops are those under ``transpose(...)``), and the set of their per-device bytes."""
     cfg = config.load("tiny", [*MOE, *overrides, f"model.n_layers={n_layers}"])
-    ops = inspect.report(engine.build(cfg), step=step).ops
+    ops = inspect.report(engine.build_engine(cfg), step=step).ops
     a2a = [o for o in ops if o.kind == "all-to-all"]
     assert all(o.axes == ("expert",) for o in a2a), a2a
     backward = sum(o.executions for o in a2a if "transpose(" in o.op_name)
@@ -134,13 +134,13 @@ def test_census_two_all_to_alls_per_moe_layer(mode, steps):
 ])
 def test_errors_before_compile(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        engine.build(config.load("tiny", overrides))
+        engine.build_engine(config.load("tiny", overrides))
 
 
 @pytest.mark.parametrize("every", [1, 2])
 def test_param_count_counts_the_experts(every):
     cfg = config.load("tiny", [*MOE, f"model.moe_every={every}", "model.n_layers=4"])
-    eng = engine.build(cfg)  # vocab 256 needs no padding at TP = 1
+    eng = engine.build_engine(cfg)  # vocab 256 needs no padding at TP = 1
     assert sum(v.size for v in jax.tree.leaves(eng.abstract_params)) == cfg.model.param_count()
     dense = config.load("tiny", ["model.n_layers=4"]).model.param_count()
     mlp = 3 * cfg.model.d_model * cfg.model.d_ff

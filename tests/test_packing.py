@@ -62,7 +62,7 @@ def _devices(overrides):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_changing_one_document_leaves_the_others_losses_and_gradients_unchanged(name):
     cfg = jaxtp.config("tiny", {**BASE, **LAYOUTS[name]})
-    eng = engine.build(cfg, _devices(LAYOUTS[name]))
+    eng = engine.build_engine(cfg, _devices(LAYOUTS[name]))
     ref = engine.reference_params(cfg)
     params = eng.shard_params(pad_params(ref, eng))
     step = eng.loss_and_grad()
@@ -84,7 +84,7 @@ def test_without_segment_ids_the_first_document_leaks_into_the_others():
     """The control: the same change does move the later documents' loss when attention may cross
     document boundaries, so the leakage test above can fail."""
     cfg = jaxtp.config("tiny", BASE)
-    eng = engine.build(cfg, jax.devices()[:1])
+    eng = engine.build_engine(cfg, jax.devices()[:1])
     params = eng.shard_params(pad_params(engine.reference_params(cfg), eng))
     loss_fn = eng.loss()
 
@@ -118,10 +118,10 @@ def test_a_packed_document_scores_as_it_does_alone():
 
 
 def _census(overrides, packed):
-    from jaxtp.inspect import census as hlo
+    from jaxtp.inspect import hlo
 
     cfg = jaxtp.config("tiny", overrides)
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     params, batch = eng.abstract_inputs()
     if packed:
         batch = {**batch, **{k: batch["inputs"] for k in ("segment_ids", "positions",

@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxtp.parallel import collectives
-from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo
 from jaxtp.pipeline import schedules
-from jaxtp.pipeline import runtime as pl
+from jaxtp import pipeline as pl
 from jaxtp.configs.schema import ParallelConfig
 from jaxtp.parallel.mesh import build_mesh
 from jaxtp.pipeline.schedules import ScheduleError
@@ -79,7 +79,7 @@ CASES = [(name, p, m, 2 if name == "interleaved" else 1)
 @pytest.mark.parametrize("name, p, m, v", CASES)
 def test_matches_sequential_reference_and_census(name, p, m, v):
     params, inputs, targets = _model(p * v, m)
-    mesh, schedule = _mesh(p), schedules.build(name, p, m, v)
+    mesh, schedule = _mesh(p), schedules.build_schedule(name, p, m, v)
     f = _pipelined(mesh, schedule)
     w = pl.stages_to_ranks(params, p, v)
     compiled = f.lower(w, inputs, targets).compile()
@@ -114,7 +114,7 @@ def test_tensor_parallel_inside_a_stage():
         return x + collectives.reduce_from_model(h @ w["w2"])      # [b, s, h]
 
     spec = {"w1": P("pipeline", None, "model"), "w2": P("pipeline", "model", None)}
-    f = _pipelined(_mesh(p, model=2), schedules.build("1f1b", p, m), tp_stage, spec)
+    f = _pipelined(_mesh(p, model=2), schedules.build_schedule("1f1b", p, m), tp_stage, spec)
     loss, grads = f(params, inputs, targets)  # v = 1: rank-major == stage order
     want_loss, want = _reference(params, inputs, targets)
     np.testing.assert_allclose(loss, want_loss, **TOL)
@@ -139,7 +139,7 @@ def test_buffer_slots(m):
     p = 4
 
     def prog(name, v=1, mb=m, residuals=True):
-        return pl.compile_schedule(schedules.build(name, p, mb, v), residuals=residuals)
+        return pl.compile_schedule(schedules.build_schedule(name, p, mb, v), residuals=residuals)
     assert (prog("gpipe").res_slots, prog("gpipe").act_slots) == (m, 1)
     # 1F1B: 2p - 2 on rank 0 keep the lock-step ticks busy (pipeline_program.in_flight_cap)
     assert (prog("1f1b").res_slots, prog("1f1b").act_slots) == (min(2 * p - 2, m), 1)
@@ -164,7 +164,7 @@ def test_unused_writes_clobber_no_live_residuals(name, v):
     for p, m in [(2, 2), (2, 4), (4, 4), (4, 5), (4, 8), (8, 8), (8, 16)]:
         if name == "interleaved" and m % p:
             continue
-        prog = pl.compile_schedule(schedules.build(name, p, m, v))
+        prog = pl.compile_schedule(schedules.build_schedule(name, p, m, v))
         for r in range(p):
             res, wres = {}, {}
             for t, branch in enumerate(prog.executed(r)):
@@ -199,9 +199,9 @@ def test_packed_ticks():
     time, (m + p - 1) (F + B); GPipe's forwards and backwards stay apart (one tick fewer: the
     last stage's last F and first B share one); interleaving is faster than both."""
     for p, m in [(2, 4), (4, 8), (4, 16)]:
-        one = pl.compile_schedule(schedules.build("1f1b", p, m))
-        gpipe = pl.compile_schedule(schedules.build("gpipe", p, m))
-        inter = pl.compile_schedule(schedules.build("interleaved", p, m, 2))
+        one = pl.compile_schedule(schedules.build_schedule("1f1b", p, m))
+        gpipe = pl.compile_schedule(schedules.build_schedule("gpipe", p, m))
+        inter = pl.compile_schedule(schedules.build_schedule("interleaved", p, m, 2))
         assert one.ticks == m + 2 * p - 2
         assert one.lockstep_time(1, 2) == gpipe.lockstep_time(1, 2) == (m + p - 1) * 3
         assert inter.lockstep_time(1, 2) < gpipe.lockstep_time(1, 2)
@@ -209,8 +209,8 @@ def test_packed_ticks():
             done = [b for b in one.executed(rank) if b is not None]
             assert sum(b.forward is not None for b in done) == m
             assert sum(b.backward is not None for b in done) == m
-        assert pl.compile_schedule(schedules.build("gpipe", p, m)).ticks == 2 * (m + p - 1) - 1
-        segments = pl.compile_schedule(schedules.build("gpipe", p, m)).segments
+        assert pl.compile_schedule(schedules.build_schedule("gpipe", p, m)).ticks == 2 * (m + p - 1) - 1
+        segments = pl.compile_schedule(schedules.build_schedule("gpipe", p, m)).segments
         assert [(s.forward, s.backward) for s in segments] == [(True, False), (True, True),
                                                                 (False, True)]
 
@@ -220,7 +220,7 @@ def _temp_bytes(name, p, m, b, s, h, f):
     x = jax.ShapeDtypeStruct((m, b, s, h), jnp.float32)
     w = {"w1": jax.ShapeDtypeStruct((p, h, f), jnp.float32),
          "w2": jax.ShapeDtypeStruct((p, f, h), jnp.float32)}
-    compiled = _pipelined(mesh, schedules.build(name, p, m)).lower(w, x, x).compile()
+    compiled = _pipelined(mesh, schedules.build_schedule(name, p, m)).lower(w, x, x).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -241,7 +241,7 @@ def test_1f1b_memory_flat_in_m_gpipe_grows():
 
 def test_errors():
     with pytest.raises(ScheduleError, match="fewer than pipeline=4"):
-        pl.compile_schedule(schedules.build("1f1b", 4, 2))
+        pl.compile_schedule(schedules.build_schedule("1f1b", 4, 2))
     with pytest.raises(ScheduleError, match="multiple of pipeline=4"):
         pl.check_pipeline("interleaved", 4, 6, 2)
     pl.check_pipeline("gpipe", 4, 2)  # GPipe runs (badly) with m < p
@@ -250,15 +250,15 @@ def test_errors():
     params, inputs, targets = _model(p, m)
     mesh = _mesh(p)
     with pytest.raises(ScheduleError, match="fewer than pipeline=2"):  # before any compile
-        _pipelined(mesh, schedules.build("1f1b", p, 1))(params, inputs[:1], targets[:1])
+        _pipelined(mesh, schedules.build_schedule("1f1b", p, 1))(params, inputs[:1], targets[:1])
     with pytest.raises(ScheduleError, match="built for m=2"):
-        _pipelined(mesh, schedules.build("1f1b", p, 2))(params, inputs, targets)
+        _pipelined(mesh, schedules.build_schedule("1f1b", p, 2))(params, inputs, targets)
     with pytest.raises(ScheduleError, match="schedule is for pipeline=4"):
-        _pipelined(mesh, schedules.build("1f1b", 4, m))(params, inputs, targets)
+        _pipelined(mesh, schedules.build_schedule("1f1b", 4, m))(params, inputs, targets)
     with pytest.raises(ScheduleError, match="leading chunk dim v=2"):
-        _pipelined(mesh, schedules.build("interleaved", p, m, 2))(params, inputs, targets)
+        _pipelined(mesh, schedules.build_schedule("interleaved", p, m, 2))(params, inputs, targets)
     with pytest.raises(ValueError, match="same shape and dtype"):
-        _pipelined(mesh, schedules.build("gpipe", p, m), lambda w, x: x[..., :2])(
+        _pipelined(mesh, schedules.build_schedule("gpipe", p, m), lambda w, x: x[..., :2])(
             params, inputs, targets)
 
 
@@ -290,7 +290,7 @@ def test_embedding_on_stage_0_and_loss_head_on_the_last(name, p, m, v):
         return jnp.mean(jax.vmap(one)(tokens, labels))
 
     want_loss, want = jax.value_and_grad(reference, argnums=(0, 1, 2))(params, emb, head)
-    schedule = schedules.build(name, p, m, v)
+    schedule = schedules.build_schedule(name, p, m, v)
 
     def local(w, e, hp, x, t):
         loss, g = pl.pipeline_value_and_grad(stage_fn, head_loss, w, (x, t), schedule=schedule,
@@ -315,8 +315,8 @@ def test_zero_bubble_packs_w_into_the_bubble():
     time is 1F1B's (at B = 2F) less (p - 1) F, in as many ticks; it needs stored residuals."""
     for p, m in ((2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (8, 16), (8, 32)):  # p = 8, m >= 2p:
         # the middle ranks stalled with 1F1B's in-flight cap
-        zb = pl.compile_schedule(schedules.build("zb1", p, m))
-        one = pl.compile_schedule(schedules.build("1f1b", p, m))
+        zb = pl.compile_schedule(schedules.build_schedule("zb1", p, m))
+        one = pl.compile_schedule(schedules.build_schedule("1f1b", p, m))
         for r in range(p):
             ran = [b for b in zb.executed(r) if b is not None]
             assert [sum(getattr(b, k) is not None for b in ran)
@@ -325,4 +325,4 @@ def test_zero_bubble_packs_w_into_the_bubble():
         assert zb.lockstep_time(1, 1, 1) == one.lockstep_time(1, 2) - (p - 1)
         assert zb.wres_slots == p - 1 and zb.res_slots == one.res_slots
     with pytest.raises(ScheduleError, match="residuals=True"):
-        pl.compile_schedule(schedules.build("zb1", 2, 4), residuals=False)
+        pl.compile_schedule(schedules.build_schedule("zb1", 2, 4), residuals=False)

@@ -13,7 +13,7 @@ import pytest
 from jaxtp import testing
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
-from jaxtp.inspect import report as inspect
+from jaxtp.inspect import placement as inspect
 from jaxtp.step import pipelined as pipelined_step
 from jaxtp.ckpt.checkpoint import Checkpointer
 from jaxtp.configs.schema import ConfigError
@@ -72,7 +72,7 @@ def test_matches_single_device_reference(overrides):
 
 def _pipeline_ops(*overrides):
     cfg = _cfg(*overrides)
-    return cfg, inspect.report(engine.build(cfg)).ops
+    return cfg, inspect.report(engine.build_engine(cfg)).ops
 
 
 @pytest.mark.parametrize("mode", ["explicit", "gspmd"])
@@ -86,7 +86,7 @@ def test_census_only_activations_cross_pipeline(mode, sp):
     p, m, t = 2, 2, 2
     cfg, ops = _pipeline_ops(*_pipe("1f1b", p, m), "parallel.data=2", f"parallel.model={t}",
                              f"parallel.mode={mode}", f"parallel.sequence_parallel={sp}")
-    transfers = pipelined_step.program(engine.build(cfg).layout).transfers
+    transfers = pipelined_step.program(engine.build_engine(cfg).layout).transfers
     b = B // 2 // m  # micro-batch rows per data shard
     act = b * S * H * 4
     sends = [op for op in ops if op.axes == ("pipeline",) and op.kind == "collective-permute"]
@@ -125,10 +125,10 @@ def test_matmul_flops_equal_the_unpipelined_step(schedule, remat, ratio):
     the unpipelined step's); under remat=full the backward recomputes its stage (5F against the
     unpipelined full recompute's 4F); ZB-H1's B and W split the backward without repeating a
     matmul. tiny, 4 layers, p=2 x data=4, 1F1B / ZB-H1, m=4."""
-    from jaxtp.inspect import census as hlo
+    from jaxtp.inspect import hlo
 
     def flops(cfg):
-        eng = engine.build(cfg)
+        eng = engine.build_engine(cfg)
         text = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile().as_text()
         if not eng.pipelined:
             return hlo.dot_flops(text)
@@ -189,13 +189,13 @@ def test_eval_loss_through_the_pipeline():
 ])
 def test_bad_pipeline_configs_are_errors_before_compile(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        engine.build(config.load("tiny", [*SMALL, "train.batch_size=24", *overrides]))
+        engine.build_engine(config.load("tiny", [*SMALL, "train.batch_size=24", *overrides]))
 
 
 def test_each_rank_holds_its_stage_of_the_layers():
     """The memory point of a pipeline: a rank holds ``1/p`` of every stacked layer parameter
     (the embedding and head stay replicated over ``pipeline``)."""
-    eng = engine.build(_cfg(*_pipe("1f1b", 4, 4), "parallel.data=2"))
+    eng = engine.build_engine(_cfg(*_pipe("1f1b", 4, 4), "parallel.data=2"))
     blocks = zip(jax.tree.leaves(eng.abstract_params["blocks"]),
                  jax.tree.leaves(eng.param_shardings["blocks"]))
     for var, sharding in blocks:

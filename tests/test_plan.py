@@ -17,6 +17,7 @@ from jaxtp.configs import schema as config
 from jaxtp.planner import cost_model
 from jaxtp.step import engine
 from jaxtp.planner import memory_model
+from jaxtp.inspect import verify
 from jaxtp.planner import search as plan
 from jaxtp.configs.schema import ConfigError
 from jaxtp.planner.hardware import get_hardware, load_hardware
@@ -36,7 +37,7 @@ def _plan(name, n, hw, overrides=(), **kw):
     ("llama2-7b", 24, A100, ["train.batch_size=48", "model.n_kv_heads=8"])])
 def test_every_proposal_is_valid(name, n, hw, over):
     """Degrees multiply to N and every divisibility rule holds; on 8 devices, every layout the
-    planner marks as running in this version is accepted by ``engine.build``."""
+    planner marks as running in this version is accepted by ``engine.build_engine``."""
     cfg, found, _ = _plan(name, n, hw, over)
     assert found
     # llama2-7b's batch of 16 cannot be split over 24 devices (24 = 3 x 8, heads and layers
@@ -58,7 +59,7 @@ def test_every_proposal_is_valid(name, n, hw, over):
         assert any(est.layout.model > 1 for est in runnable)
         assert any(est.layout.expert > 1 for est in runnable) == s.moe
         for est in runnable:
-            engine.build(config.apply_overrides(cfg, est.layout.overrides()))
+            engine.build_engine(config.apply_overrides(cfg, est.layout.overrides()))
 
 
 def test_respects_memory_and_shrinking_hbm_removes_layouts():
@@ -135,7 +136,7 @@ def test_memory_prediction_matches_the_compiled_step():
         ests.append((cfg, cost_model.Estimate(layout=lo, memory={}, time={}, n_devices=8,
                                         peak_flops=1.0, model_flops=1.0)))
     for cfg, est in ests:
-        (row,) = plan.verify(cfg, [est], 1)
+        (row,) = verify(cfg, [est], 1)
         pred, comp = row["predicted"], row["compiled"]
         for key in ("arguments", "outputs"):
             assert abs(pred[key] / comp[key] - 1) < 0.10, (est.layout, key, pred[key], comp[key])

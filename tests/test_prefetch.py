@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxtp.configs import schema as config
+from jaxtp.train import TrainingDiverged
 from jaxtp.train import trainer as train
 from jaxtp.ckpt.checkpoint import Checkpointer
 from jaxtp.train.prefetch import Prefetcher
@@ -96,7 +97,7 @@ def test_nan_seen_one_step_late_still_keeps_the_last_good_checkpoint(tmp_path):
     cfg = config.load("tiny", ["train.steps=200", "train.checkpoint_every=2", "train.lr=1e12",
                                "train.warmup_steps=1", "train.grad_clip=1e30", "train.log_every=1",
                                f"train.out_dir={tmp_path}", *COMMON])
-    with pytest.raises(train.TrainingDiverged, match="last good checkpoint is step"):
+    with pytest.raises(TrainingDiverged, match="last good checkpoint is step"):
         train.run(cfg)
     ckpt = Checkpointer(tmp_path / "checkpoints", keep=3, cfg=cfg)
     step = ckpt.latest_step()

@@ -11,7 +11,7 @@ import pytest
 from jaxtp import testing
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
-from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo
 from jaxtp.configs.schema import ConfigError
 from jaxtp.parallel.mesh import mesh_shape
 from jaxtp.layers.transformer import REMAT_POLICIES
@@ -28,7 +28,7 @@ SEQ = 96  # distinct from every other dim of `tiny`, so an s x s residual is rec
 def test_policy_matches_single_device(mode, remat, extra):
     cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.remat={remat}",
                                "parallel.data=4", "parallel.model=2", *extra])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     ref_params = engine.reference_params(cfg)
     batch = testing.random_batch(cfg)
     ref_loss, ref_grads = testing.reference_loss_and_grad(
@@ -68,7 +68,7 @@ def test_saved_residuals_per_policy():
 def _model_all_reduce_bytes(mode, remat, *extra):
     cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.remat={remat}",
                                "parallel.data=2", "parallel.model=4", *extra])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     params, batch = eng.abstract_inputs()
     text = eng.loss_and_grad().lower(params, batch).compile().as_text()
     return sum(o.total_bytes for o in hlo.collectives(text, mesh_shape(eng.mesh))

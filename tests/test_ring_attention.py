@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxtp.inspect import census as hlo
-from jaxtp.parallel import ring_attention as ra
+from jaxtp.inspect import hlo
+from jaxtp.parallel import ring as ra
 
 B, S, N, K, H = 2, 32, 4, 2, 16
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from jaxtp.pipeline import schedules
-from jaxtp.pipeline.schedules import ScheduleError, build, textbook_bubble
+from jaxtp.pipeline.schedules import ScheduleError, build_schedule, textbook_bubble
 
 CASES = [(p, m) for p, m in itertools.product((2, 4, 8), (1, 2, 4, 8, 16))]
 
@@ -33,7 +33,7 @@ def _valid(s):
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p, m", CASES)
 def test_gpipe_and_1f1b_textbook(name, p, m):
-    s = build(name, p, m)
+    s = build_schedule(name, p, m)
     _valid(s)
     assert s.ticks == 2 * (m + p - 1)
     assert s.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
@@ -47,12 +47,12 @@ def test_gpipe_and_1f1b_textbook(name, p, m):
 @pytest.mark.parametrize("p, m, v", [(2, 2, 2), (2, 4, 2), (2, 4, 3), (4, 4, 2), (4, 8, 2),
                                      (4, 16, 4), (8, 8, 2), (8, 16, 3)])
 def test_interleaved_textbook(p, m, v):
-    s = build("interleaved", p, m, v)
+    s = build_schedule("interleaved", p, m, v)
     _valid(s)
     # passes are 1/v of a stage: the bubble shrinks by v (Narayanan et al. 2021, sec. 2.2)
     assert s.ticks == 2 * (v * m + p - 1)
     assert s.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
-    assert s.bubble_fraction < build("1f1b", p, m).bubble_fraction
+    assert s.bubble_fraction < build_schedule("1f1b", p, m).bubble_fraction
     # activation memory on the first device, in chunks of 1/v of a stage: Megatron-LM's warm-up
     # of 2 (p - 1) + (v - 1) p forwards plus the steady state's one, whatever m (all m v chunks
     # when m is too small to reach the steady state)
@@ -64,9 +64,9 @@ def test_zero_bubble_h1(p, m):
     """ZB-H1 (Qi et al. 2023): B and W one tick each, 3 m + p - 1 ticks, bubble
     (p - 1)(T_F + T_B - T_W) = (p - 1) / (3 m + p - 1) of the step, a third of 1F1B's in pass
     times; every stage holds at most p micro-batches (1F1B's peak, stage 0's) from F to W."""
-    s = build("zb1", p, m)
+    s = build_schedule("zb1", p, m)
     _valid(s)
-    assert s.split_backward and not build("1f1b", p, m).split_backward
+    assert s.split_backward and not build_schedule("1f1b", p, m).split_backward
     assert s.ticks == 3 * m + p - 1
     assert s.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
     assert s.bubble_fraction == pytest.approx(schedules.formula_bubble("zb1", p, m))
@@ -75,17 +75,17 @@ def test_zero_bubble_h1(p, m):
     assert s.ticks * p - len(s.table) == p * (p - 1)
     # with B + W = 1F1B's backward, each pass half of it, the step is shorter than 1F1B's
     if p > 1:
-        assert s.lockstep_time(1, 1, 1) < build("1f1b", p, m).lockstep_time(1, 2)
+        assert s.lockstep_time(1, 1, 1) < build_schedule("1f1b", p, m).lockstep_time(1, 2)
 
 
 def test_1f1b_memory_flat_in_m_gpipe_grows():
-    gpipe = [build("gpipe", 4, m).in_flight(0) for m in (4, 8, 16)]
-    onef = [build("1f1b", 4, m).in_flight(0) for m in (4, 8, 16)]
+    gpipe = [build_schedule("gpipe", 4, m).in_flight(0) for m in (4, 8, 16)]
+    onef = [build_schedule("1f1b", 4, m).in_flight(0) for m in (4, 8, 16)]
     assert gpipe == [4, 8, 16] and onef == [4, 4, 4]
 
 
 def test_grid_labels():
-    g = build("1f1b", 2, 2).grid()
+    g = build_schedule("1f1b", 2, 2).grid()
     assert g == [["F0", "F1", ".", "B0", ".", "B1"], [".", "F0", "B0", "F1", "B1", "."]]
 
 
@@ -99,7 +99,7 @@ def test_grid_labels():
 ])
 def test_errors(args, match):
     with pytest.raises(ScheduleError, match=match):
-        build(*args)
+        build_schedule(*args)
 
 
 def test_a_deadlocking_order_is_reported():
@@ -114,10 +114,10 @@ def test_lockstep_time():
     (m + p - 1)(f + b), the textbook bubble. 1F1B at p=2, m=2 (grid F0 F1 . B0 . B1 over
     . F0 B0 F1 B1 .): ticks F, F, B, B+F, B, B = 1 + 1 + 3 + 3 + 3 + 3 = 14 against GPipe's 12."""
     for p, m in [(2, 2), (4, 8)]:
-        assert schedules.build("gpipe", p, m).lockstep_time(1, 3) == (m + p - 1) * 4
-        s = schedules.build("1f1b", p, m)
+        assert schedules.build_schedule("gpipe", p, m).lockstep_time(1, 3) == (m + p - 1) * 4
+        s = schedules.build_schedule("1f1b", p, m)
         assert s.lockstep_time(1, 1) == s.ticks
-    assert schedules.build("1f1b", 2, 2).lockstep_time(1, 3) == 14
+    assert schedules.build_schedule("1f1b", 2, 2).lockstep_time(1, 3) == 14
 
 
 @pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
@@ -129,7 +129,7 @@ def test_lockstep_ticks_closed_form_equals_the_simulated_tables(name, v):
     for p in (1, 2, 3, 4, 8):
         for m in range(1, 3 * p + 3):
             try:
-                s = schedules.build(name, p, m, v)
+                s = schedules.build_schedule(name, p, m, v)
             except schedules.ScheduleError:
                 continue
             kinds = {}

@@ -20,7 +20,7 @@ import pytest
 from jaxtp import testing
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
-from jaxtp.inspect import report as inspect
+from jaxtp.inspect import placement as inspect
 from jaxtp.configs.schema import ConfigError
 
 RTOL, ATOL = 2e-5, 2e-6
@@ -63,7 +63,7 @@ def test_composes_with_microbatches_zero_gqa_and_remat(mode):
 def _census(overrides, n_layers, step):
     cfg = config.load("tiny", [*overrides, f"model.n_layers={n_layers}"])
     out = Counter()
-    for op in inspect.report(engine.build(cfg), step=step).ops:
+    for op in inspect.report(engine.build_engine(cfg), step=step).ops:
         out[(op.kind, op.axes, op.bytes // op.tensors)] += op.executions * op.tensors
     return out
 
@@ -130,7 +130,7 @@ def test_cp_census(mode, cp):
 ])
 def test_bad_sequence_or_context_config_is_a_clear_error(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        engine.build(config.load("tiny", overrides))
+        engine.build_engine(config.load("tiny", overrides))
 
 
 # ---- memory ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 from jaxtp import testing
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
-from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo
 from jaxtp.step import pipelined as pipelined_step
 
 BASE = ["train.batch_size=8", "train.seq_len=32"]
@@ -21,7 +21,7 @@ BASE = ["train.batch_size=8", "train.seq_len=32"]
 ])
 def test_value_and_grad_returns_loss_grads_metrics(over):
     cfg = config.load("tiny", BASE + over)
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     ref = engine.reference_params(cfg)
     params = eng.shard_params(testing.pad_params(ref, eng))
     batch = eng.shard_batch(testing.random_batch(cfg))
@@ -35,7 +35,7 @@ def test_value_and_grad_returns_loss_grads_metrics(over):
 
 def test_moe_metrics_come_with_the_step():
     cfg = config.load("tiny-moe", BASE + ["parallel.expert=2", "parallel.data=4"])
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     params = eng.init_params()
     loss, _, metrics = jax.jit(eng.value_and_grad_fn())(
         params, eng.shard_batch(testing.random_batch(cfg)))
@@ -48,8 +48,8 @@ def test_pipelined_eval_runs_forward_only():
     """The pipelined loss is the reference loss and compiles to about one forward's matmul FLOPs
     (it used to run the whole backward: about 3x)."""
     over = ["parallel.pipeline=2", "parallel.data=4", "train.microbatches=2"]
-    piped = engine.build(config.load("tiny", BASE + over))
-    flat = engine.build(config.load("tiny", BASE + ["parallel.data=8"]))
+    piped = engine.build_engine(config.load("tiny", BASE + over))
+    flat = engine.build_engine(config.load("tiny", BASE + ["parallel.data=8"]))
     cfg = piped.cfg
     ref = engine.reference_params(cfg)
     batch = testing.random_batch(cfg)
@@ -74,7 +74,7 @@ def test_pipelined_eval_census_is_one_forward(mode):
     b x s x h per layer of its stages, counted from the compiled HLO with the switch's weights."""
     over = ["parallel.pipeline=2", "parallel.data=2", "parallel.model=2", f"parallel.mode={mode}",
             "train.microbatches=2", "model.n_layers=4"]
-    eng = engine.build(config.load("tiny", BASE + over))
+    eng = engine.build_engine(config.load("tiny", BASE + over))
     cfg = eng.cfg
     text = eng.loss().lower(*eng.abstract_inputs()).compile().as_text()
     ops = hlo.collectives(text, dict(eng.mesh.shape),

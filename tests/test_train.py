@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxtp.configs import schema as config
+from jaxtp.train import TrainingDiverged
 from jaxtp.train import trainer as train
 from jaxtp.testing import kill_when_saved, train_env
 
@@ -58,7 +59,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     cfg = config.load("tiny", ["train.steps=200", "train.checkpoint_every=1", "train.lr=1e12",
                                "train.warmup_steps=1", "train.grad_clip=1e30",
                                f"train.out_dir={tmp_path}", *COMMON])
-    with pytest.raises(train.TrainingDiverged, match="last good checkpoint is step"):
+    with pytest.raises(TrainingDiverged, match="last good checkpoint is step"):
         train.run(cfg)
     from jaxtp.ckpt.checkpoint import Checkpointer
 

@@ -20,7 +20,7 @@ def _stage():
     cfg = config.load("tiny", [f"model.n_layers={LAYERS}", f"model.d_model={D}",
                                f"model.d_ff={F}", f"train.seq_len={S}", "parallel.data=1",
                                f"train.batch_size={B}"])
-    eng = engine.build(cfg, jax.devices()[:1])
+    eng = engine.build_engine(cfg, jax.devices()[:1])
     parts = pipelined_step._Parts(eng.layout, eng.region, manual=False)
     rope = parts.rope(jnp.broadcast_to(jnp.arange(S), (B, S)))
     return cfg, eng.init_params()["blocks"], (lambda pc, x: parts.stage(pc, x, rope))

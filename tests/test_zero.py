@@ -18,11 +18,11 @@ import pytest
 from jaxtp import testing
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
-from jaxtp.inspect import census as hlo
+from jaxtp.inspect import hlo
 from jaxtp.ckpt.checkpoint import Checkpointer
 from jaxtp.configs.schema import ConfigError
 from jaxtp.parallel.mesh import mesh_shape
-from jaxtp.parallel.sharding import zero_axes_of
+from jaxtp.parallel.sharding import named, zero_axes_of
 from jaxtp.train.trainer import Trainer
 
 RTOL, ATOL = 2e-5, 2e-6
@@ -99,7 +99,7 @@ def _shard_bytes(abstract, shardings) -> int:
 
 def _tp_param_count(eng) -> float:
     """Parameters per device under tensor parallelism alone (Psi / t for the TP-split tensors)."""
-    return _shard_bytes(eng.abstract_params, engine.named(eng.mesh, eng.tp_specs)) / 4
+    return _shard_bytes(eng.abstract_params, named(eng.mesh, eng.tp_specs)) / 4
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -123,7 +123,7 @@ def _all_ops(overrides, mode="gspmd", *, data=8, model=1):
     """(every collective of the compiled loss-and-grad, local gradient bytes per device)."""
     cfg = _cfg(f"parallel.mode={mode}", f"parallel.model={model}", f"parallel.data={data}",
                "train.batch_size=32", *overrides)
-    eng = engine.build(cfg)
+    eng = engine.build_engine(cfg)
     params, batch = eng.abstract_inputs()
     text = eng.loss_and_grad().lower(params, batch).compile().as_text()
     return hlo.collectives(text, mesh_shape(eng.mesh)), _tp_param_count(eng) * 4
@@ -169,7 +169,7 @@ def test_zero3_with_tp_gathers_each_tp_shard_in_both_modes():
     an extra all-gather over ``model`` and t times the bytes over ``data``)."""
     ops = {}
     for mode in ("gspmd", "explicit"):
-        eng = engine.build(_cfg(f"parallel.mode={mode}", "parallel.model=2", "parallel.data=4",
+        eng = engine.build_engine(_cfg(f"parallel.mode={mode}", "parallel.model=2", "parallel.data=4",
                                 "parallel.zero_stage=3"))
         params, batch = eng.abstract_inputs()
         text = eng.loss_and_grad().lower(params, batch).compile().as_text()
@@ -233,4 +233,4 @@ def test_restore_across_stages_and_meshes(tmp_path):
 
 def test_bad_zero_stage_is_a_config_error():
     with pytest.raises(ConfigError, match="zero_stage=4"):
-        engine.build(_cfg("parallel.zero_stage=4"))
+        engine.build_engine(_cfg("parallel.zero_stage=4"))

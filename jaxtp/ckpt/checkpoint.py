@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from jaxtp.ckpt import integrity
-from jaxtp.configs.schema import Config, ConfigError, ModelConfig
+from jaxtp.configs import Config, ConfigError, ModelConfig
 
 # Bumped when the layout of the items changes; restore refuses a format it does not know.
 FORMAT_VERSION = 1

@@ -30,7 +30,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxtp.configs.schema import ConfigError
+from jaxtp.configs import ConfigError
 
 _MIX = (0x9E3779B1, 0x85EBCA6B)
 

@@ -11,7 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxtp.configs.schema import Config, ConfigError
+from jaxtp.configs import Config, ConfigError
 
 
 def to_dict(cfg: Config) -> dict:

@@ -16,10 +16,18 @@ from pathlib import Path
 
 import jax
 
-from jaxtp.configs import check_values
+from jaxtp.configs import (
+    PRESETS,
+    ConfigError,
+    apply_overrides,
+    check_devices,
+    check_hardware_file,
+    load,
+    validate_model,
+    validate_settings,
+)
 from jaxtp.parallel import distributed
-from jaxtp.configs.schema import PRESETS, ConfigError, apply_overrides, load
-from jaxtp.train.trainer import TrainingDiverged
+from jaxtp.train import TrainingDiverged
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
                                         "embedded corpus)")
     common(tr)
 
-    from jaxtp.planner.hardware import HARDWARE
+    from jaxtp.planner import HARDWARE
 
     pl = verbs.add_parser("plan", help="rank parallel layouts for a model on N devices by a cost "
                                        "model (memory and step time); --verify compiles the best")
@@ -156,20 +164,20 @@ def _hf_verbs(verbs) -> None:
 
 def _run_hf_verb(args) -> int:
     import jaxtp
-    from jaxtp.hf import exporter as hf_export
+    from jaxtp.hf import copy_tokenizer, with_tokenizer
 
     if args.verb == "import-hf":
         model = jaxtp.Model.from_hf(args.src, args.overrides)
-        tokenizer = hf_export.copy_tokenizer(args.src, args.run_dir)
+        tokenizer = copy_tokenizer(args.src, args.run_dir)
         if tokenizer:  # the run tokenizes with the imported model's vocabulary
-            model.cfg = hf_export.with_tokenizer(model.cfg, tokenizer)
+            model.cfg = with_tokenizer(model.cfg, tokenizer)
         model.save(args.run_dir)
         print(f"imported {args.src} ({model.cfg.model.param_count() / 1e6:.1f}M params) into "
               f"{args.run_dir}; continue with: jaxtp train train.out_dir={args.run_dir}")
         return 0
     model = jaxtp.Model.from_run(args.run_dir, args.overrides, step=args.step)
     model.save_hf(args.out)
-    hf_export.copy_tokenizer(Path(model.cfg.data.tokenizer_path).parent
+    copy_tokenizer(Path(model.cfg.data.tokenizer_path).parent
                       if model.cfg.data.tokenizer_path else None, args.out)
     print(f"exported {args.run_dir} to {args.out} (transformers.AutoModelForCausalLM."
           f"from_pretrained loads it)")
@@ -183,11 +191,11 @@ def _config(args):
     out_dir = next((o.partition("=")[2] for o in reversed(args.overrides)
                     if o.partition("=")[0].strip() == "train.out_dir"), "runs/default")
     if args.config is None and args.verb == "train" and (Path(out_dir) / "config.json").is_file():
-        from jaxtp.ckpt.run_dir import read_run_config
+        from jaxtp.ckpt import read_run_config
 
         cfg = apply_overrides(read_run_config(out_dir), args.overrides)
-        check_values.validate_model(cfg.model)
-        check_values.validate_settings(cfg)
+        validate_model(cfg.model)
+        validate_settings(cfg)
         print(f"jaxtp: continuing the run in {out_dir} with its config.json", flush=True)
         return cfg
     return load(args.config or "tiny", args.overrides)
@@ -209,9 +217,9 @@ def _use_devices(n: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        check_values.check_devices(getattr(args, "devices", None))
+        check_devices(getattr(args, "devices", None))
         if args.verb == "prepare-data":
-            from jaxtp.data.prepare import prepare
+            from jaxtp.data import prepare
 
             m = prepare(args.src, args.out, tokenizer=args.tokenizer,
                         vocab_size=args.vocab_size, text_field=args.text_field,
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             _use_devices(args.devices)
             return _run_hf_verb(args)
         if args.verb == "plan":
-            check_values.check_hardware_file(args.hardware_file)
+            check_hardware_file(args.hardware_file)
             from jaxtp.cli import plan as plan_cli
 
             print(plan_cli.run_cli(config_name=args.config, n_devices=args.devices,
@@ -243,12 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         _use_devices(args.devices)
         distributed.initialize(coordinator=args.coordinator, num_processes=args.num_processes,
                                process_id=args.process_id, local_devices=args.devices)
-        from jaxtp.step import engine
+        from jaxtp.step import build_engine
 
         if args.verb == "inspect":
-            from jaxtp.inspect import report as inspect
+            from jaxtp.inspect import format_report, report
 
-            r = inspect.report(engine.build(cfg), step=args.step)
+            r = report(build_engine(cfg), step=args.step)
             if jax.process_index() != 0:  # every process compiles; one reports
                 return 0
             if args.hlo_out:
@@ -257,16 +265,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(r.to_json(), indent=2))
             else:
-                print(inspect.format_report(r, title=f"{args.config or 'tiny'}, "
+                print(format_report(r, title=f"{args.config or 'tiny'}, "
                                                      f"{cfg.parallel.mode} mode, "
                                                      f"{args.step} step"))
             return 0
         if args.verb == "train":
-            from jaxtp.train import trainer as train
-            from jaxtp.ckpt.checkpoint import CheckpointSaveError
+            from jaxtp.ckpt import CheckpointSaveError
+            from jaxtp.train import run
 
             try:
-                train.run(cfg)
+                run(cfg)
             except CheckpointSaveError as e:  # disk full, permissions: the older steps are kept
                 print(f"jaxtp: error: {e}", file=sys.stderr)
                 return 4
@@ -299,8 +307,7 @@ def _load_run(args):
 def _sample(model, args) -> None:
     """Stream one prompt's continuation as it is made (a chunk of tokens per compiled call);
     print several prompts' continuations when the batch is done."""
-    from jaxtp.serve.generate import Generator
-    from jaxtp.serve.sampling import SamplerArgs
+    from jaxtp.serve import Generator, SamplerArgs
 
     try:
         sampler = SamplerArgs.make(temperature=args.temperature, top_k=args.top_k,
@@ -331,7 +338,7 @@ def _run_verb(args) -> int:
         return 0
     from jaxtp.serve import evaluate
 
-    metrics = evaluate.evaluate(model, args.data, max_tokens=args.max_tokens,
+    metrics = evaluate(model, args.data, max_tokens=args.max_tokens,
                                 progress=sys.stderr.isatty() or not args.json)
     if args.json:
         print(json.dumps(metrics, indent=2))

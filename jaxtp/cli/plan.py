@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtp.configs.schema import ConfigError
-from jaxtp.planner.cost_model import AXES, Estimate, Layout, Shape
-from jaxtp.planner.search import SearchSpace, plan, verify
+from jaxtp.configs import AXES, ConfigError
+from jaxtp.inspect import verify
+from jaxtp.planner import Estimate, Layout, SearchSpace, Shape, plan
 
 
 def _gib(x: float) -> str:
@@ -108,8 +108,8 @@ def run_cli(*, config_name: str, n_devices: int, hardware: str, hardware_file: s
     import json
     import time
 
-    from jaxtp.configs.schema import load
-    from jaxtp.planner.hardware import load_hardware
+    from jaxtp.configs import load
+    from jaxtp.planner import load_hardware
 
     if n_devices < 1:
         raise ConfigError(f"--devices {n_devices}: plan for at least one device")

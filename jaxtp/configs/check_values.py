@@ -24,7 +24,6 @@ from pathlib import Path
 
 from jaxtp.configs.errors import ConfigError
 
-
 # (key, lowest, highest, whether the lowest itself is allowed); None = unbounded
 _TRAIN_INT_RANGES = {
     "batch_size": (1, None), "seq_len": (1, None), "seed": (0, 2**32 - 1), "steps": (1, None),

@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxtp.data import corpus
-from jaxtp.data import sources
-from jaxtp.configs.check_values import check_eval_split
-from jaxtp.configs.schema import Config, ConfigError
-from jaxtp.data.corpus import load_tokens, parse_mixture  # noqa: F401  (public names)
-from jaxtp.data.sources import ArrayStream, bpe_encode, bpe_tokenizer  # noqa: F401  (public names)
+from jaxtp.configs import Config, ConfigError, check_eval_split
+from jaxtp.data import corpus, sources
+from jaxtp.data.sources import ArrayStream
 
 
 class Source:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxtp.configs import ConfigError, DataConfig
 from jaxtp.data import sources
-from jaxtp.configs.schema import ConfigError, DataConfig
 from jaxtp.data.sources import ArrayStream, RecordStream
 
 

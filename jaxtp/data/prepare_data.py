@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxtp.configs import ConfigError, DataConfig
 from jaxtp.data import sources
-from jaxtp.configs.schema import ConfigError, DataConfig
 
 FORMAT = "jaxtp-prepared-1"
 _BATCH = 1024  # documents per encode_batch call

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxtp.configs.schema import ConfigError, DataConfig
+from jaxtp.configs import ConfigError, DataConfig
 
 DEFAULT_BYTES = 8 * 2**20  # 8 MiB of the stdlib is plenty for the tiny preset
 MANIFEST = "manifest.json"

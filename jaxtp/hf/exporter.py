@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtp.configs.schema import Config, ModelConfig
+from jaxtp.configs import Config, ModelConfig
 from jaxtp.hf.importer import hf_config, layer_name, param_key
 
 
@@ -60,7 +60,7 @@ def _hf_tensors(params: nnx.State, m: ModelConfig):
         yield layer_name(i, "mlp.down_proj.weight"), at("mlp.w_down").T
 
 
-def save(params: nnx.State, m: ModelConfig, out: str | Path, *,
+def save_hf(params: nnx.State, m: ModelConfig, out: str | Path, *,
          max_shard_bytes: int = 2 * 2**30) -> Path:
     """Write ``config.json``, ``model-0000i-of-0000n.safetensors`` shards of at most
     ``max_shard_bytes`` and their index into ``out`` (process 0 writes; every process must

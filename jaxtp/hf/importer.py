@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxtp.configs.schema import Config, ConfigError, ModelConfig
+from jaxtp.configs import Config, ConfigError, ModelConfig
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

@@ -7,29 +7,35 @@ them with its ``stack_frame_id``. :func:`tracebacks` reads those tables back int
 a reader of the model knows: the module path or function of jaxtp that caused it and the
 Megatron / ZeRO operator of ``collectives.py`` it went through (``blocks/attn:
 reduce_from_model``, ``sync_grads``), or, for a collective XLA's partitioner inserted, the
-primitive it partitions. :mod:`jaxtp.inspect.census` attaches the parts to each collective it finds.
+primitive it partitions. :mod:`jaxtp.inspect.hlo` attaches the parts to each collective it finds.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 
-from jaxtp.parallel import collectives, execution, sharding
-from jaxtp.pipeline import weight_grad
+from jaxtp.parallel import ExplicitOps, copy_to_model, named
+from jaxtp.pipeline import weight_einsum
+
+
+def _file(obj) -> str:
+    """The source file of the module that defines ``obj``."""
+    return os.path.abspath(sys.modules[obj.__module__].__file__)
+
 
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # jaxtp/
-_OPERATORS = os.path.abspath(collectives.__file__)  # the named Megatron / ZeRO operators
+_OPERATORS = _file(copy_to_model)  # the named Megatron / ZeRO operators
 # and dispatch (weight_grad.py: the matmul wrapper ZB-H1 splits the backward at); each path is
 # the module's own __file__, so a module that moves keeps its role here
-_PLUMBING = tuple(os.path.abspath(m.__file__) for m in (collectives, execution, sharding,
-                                                        weight_grad))
+_PLUMBING = tuple(_file(f) for f in (copy_to_model, ExplicitOps, named, weight_einsum))
 _EINSUM = re.compile(r"[\w.]+(?:,[\w.]+)*->[\w.]*")
 
 # Flax module class -> [(attribute path, ancestor classes nearest first)], e.g.
-# {"Attention": [("blocks/attn", ("Block", "Transformer"))]} (jaxtp.inspect.report.module_paths).
+# {"Attention": [("blocks/attn", ("Block", "Transformer"))]} (jaxtp.inspect.placement.module_paths).
 ModulePaths = dict[str, list[tuple[str, tuple[str, ...]]]]
 
 

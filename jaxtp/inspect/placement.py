@@ -3,12 +3,12 @@
 The step is compiled ahead of time from abstract inputs (ShapeDtypeStructs carrying shardings), so
 a mesh far larger than the machine can be inspected on simulated CPU devices without allocating a
 single parameter. Every number comes from the executable XLA built: ``memory_analysis`` for bytes,
-the optimized HLO text for the census and the matmul FLOPs (:mod:`jaxtp.inspect.census`; XLA's own
+the optimized HLO text for the census and the matmul FLOPs (:mod:`jaxtp.inspect.hlo`; XLA's own
 ``cost_analysis`` counts a loop body once, so it cannot be used for a scanned model). Three steps
 can be compiled: ``loss`` (forward), ``grad`` (loss and gradients) and ``train`` (the whole
 :class:`jaxtp.train.trainer.Trainer` step, optimizer update included, state donated).
 
-Each collective is attributed to the code that caused it (:func:`jaxtp.inspect.census.source`, from the
+Each collective is attributed to the code that caused it (:func:`jaxtp.inspect.hlo.source`, from the
 tracebacks XLA keeps in the HLO: ``blocks/attn: reduce_from_model``, ``sync_grads``) and to the
 link it crosses: DCN (between hosts) when one of its mesh axes spans hosts, else ICI (NVLink /
 the TPU interconnect inside a host or slice).
@@ -23,13 +23,11 @@ from dataclasses import dataclass, field
 import jax
 from flax import nnx
 
-from jaxtp.inspect import census as hlo
-from jaxtp.step import pipelined as pipelined_step
-from jaxtp.configs.schema import Config, ParallelConfig
-from jaxtp.step.engine import Engine, build
-from jaxtp.train.flops import model_flops
-from jaxtp.parallel.mesh import dcn_degrees, mesh_shape
-from jaxtp.train.trainer import Trainer
+from jaxtp.configs import Config, ParallelConfig
+from jaxtp.inspect import hlo
+from jaxtp.parallel import dcn_degrees, mesh_shape
+from jaxtp.step import Engine, branch_weights, build_engine, forward_branch_weights
+from jaxtp.train import Trainer, model_flops
 
 STEPS = ("grad", "loss", "train")
 
@@ -140,7 +138,7 @@ def link(axes, hosts: dict[str, int]) -> str:
 
 def module_paths(engine: Engine) -> hlo.ModulePaths:
     """Each Flax module class of the model -> its attribute paths and their ancestors' classes
-    (nearest first), the map :func:`jaxtp.inspect.census.source` names modules by."""
+    (nearest first), the map :func:`jaxtp.inspect.hlo.source` names modules by."""
     model = nnx.merge(engine.graphdef, engine.abstract_params)
     classes = {path: type(node).__name__ for path, node in nnx.iter_graph(model)
                if isinstance(node, nnx.Module)}
@@ -189,7 +187,7 @@ def report(target: Engine | Config, step: str = "grad") -> Report:
         engine, compiled = trainer.engine, lowered.compile()
         optimizer = shard_bytes(state.opt_state)
     else:
-        engine = target if isinstance(target, Engine) else build(target)
+        engine = target if isinstance(target, Engine) else build_engine(target)
         compiled = compile_step(engine, step)
     text = compiled.as_text()
     shape = mesh_shape(engine.mesh)
@@ -197,8 +195,8 @@ def report(target: Engine | Config, step: str = "grad") -> Report:
     # (the view of pipeline rank 0)
     branches = None
     if shape["pipeline"] > 1:
-        branches = (pipelined_step.forward_branch_weights(engine.layout) if step == "loss"
-                    else pipelined_step.branch_weights(engine.layout))
+        branches = (forward_branch_weights(engine.layout) if step == "loss"
+                    else branch_weights(engine.layout))
     ops = hlo.collectives(text, shape, branches)
     mem = compiled.memory_analysis()
     params = local_param_bytes(engine)
@@ -271,7 +269,7 @@ def format_report(r: Report, title: str = "") -> str:
         axes_width = max(4, *(len(",".join(c["axes"])) for c in shown))
         header = (f"  {'source':<{width}} {'kind':<18} {'axes':<{axes_width}} {'link':<5} "
                   f"{'count':>6} {'bytes':>12}")
-        lines += ["", "collectives by source (largest first; WHERE: WHAT, see jaxtp.inspect.census.source)",
+        lines += ["", "collectives by source (largest first; WHERE: WHAT, see jaxtp.inspect.hlo.source)",
                   header]
         for c in shown:
             axes = ",".join(c["axes"]) or "-"

@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtp.configs.schema import ModelConfig
-from jaxtp.layers import param, residual_std
+from jaxtp.configs import ModelConfig
 from jaxtp.layers.norm import rms_norm
-from jaxtp.pipeline.weight_grad import weight_einsum
+from jaxtp.layers.params import param, residual_std
+from jaxtp.pipeline import weight_einsum
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtp.layers import param
+from jaxtp.layers.params import param
 
 _MASKED = -1e9  # finite: a shard holding only padding rows must not produce inf - inf
 

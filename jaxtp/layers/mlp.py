@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtp.configs.schema import ModelConfig
-from jaxtp.layers import param, residual_std
-from jaxtp.pipeline.weight_grad import weight_einsum
+from jaxtp.configs import ModelConfig
+from jaxtp.layers.params import param, residual_std
+from jaxtp.pipeline import weight_einsum
 
 
 class MLP(nnx.Module):

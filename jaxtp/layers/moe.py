@@ -47,20 +47,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtp.parallel import validate
-from jaxtp.configs.axes import BATCH_AXES, CONTEXT
-from jaxtp.configs.axes import EXPERT as EXPERT_AXIS
+from jaxtp.configs import BATCH_AXES, CONTEXT, EXPERT, ConfigError
+from jaxtp.layers.params import param, residual_std
 
 # the two all-to-alls of expert parallelism live with the other collectives; re-exported here
-from jaxtp.parallel.collectives import EXPERT, combine_from_experts, dispatch_to_experts
-from jaxtp.configs.schema import ConfigError
-from jaxtp.layers import param, residual_std
-from jaxtp.pipeline.weight_grad import weight_einsum
+from jaxtp.parallel import check_experts, combine_from_experts, dispatch_to_experts
+from jaxtp.pipeline import weight_einsum
 
 # Mesh axes that shard tokens: the statistics of the routing are averaged over them. `pipeline`
 # is not one (different stages hold different layers) and `model` holds copies of the same tokens
 # (averaged too, so that each copy carries 1/t of the gradient; see `_mean_over_copies`).
-TOKEN_AXES = BATCH_AXES + (CONTEXT, EXPERT_AXIS)
+TOKEN_AXES = BATCH_AXES + (CONTEXT, EXPERT)
 
 
 # ---- settings --------------------------------------------------------------------------------
@@ -90,9 +87,9 @@ class MoESettings:
 
 def check_moe(settings: MoESettings, expert_degree: int = 1) -> None:
     """Raise ``ConfigError`` (a ``ValueError``) naming the fix, before any compile (the rules live
-    in :func:`jaxtp.parallel.validate.check_experts`)."""
+    in :func:`jaxtp.parallel.validation.check_experts`)."""
     s = settings
-    validate.check_experts(n_experts=s.n_experts, top_k=s.top_k,
+    check_experts(n_experts=s.n_experts, top_k=s.top_k,
                            capacity_factor=s.capacity_factor, moe_every=s.moe_every,
                            router_aux_loss_coef=s.router_aux_loss_coef,
                            router_z_loss_coef=s.router_z_loss_coef, expert_degree=expert_degree)

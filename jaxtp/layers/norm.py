@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtp.layers import param
+from jaxtp.layers.params import param
 
 
 class RMSNorm(nnx.Module):

@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtp.pipeline import weight_grad
-from jaxtp.configs.schema import ModelConfig
-from jaxtp.parallel.execution import TP_REDUCED
+from jaxtp.configs import ModelConfig
 from jaxtp.layers.attention import Attention, positional
 from jaxtp.layers.embedding import OutputHead, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from jaxtp.layers.mlp import MLP
 from jaxtp.layers.moe import MoE, summarize_aux
 from jaxtp.layers.norm import RMSNorm
+from jaxtp.parallel import TP_REDUCED
+from jaxtp.pipeline import is_splitting, with_split_markers
 
 
 class Block(nnx.Module):
@@ -200,7 +200,7 @@ def _remat(body, remat: str, gathers_layers: bool):
         # is not enough: ops on the weights, e.g. a layout copy, would be saved.) Every other
         # policy already leaves the gathered weights (all-gather outputs) unsaved.
         policy = REMAT_POLICIES["dots_saveable"]
-    if policy is not None and weight_grad.is_splitting():  # keep the B / W split's markers
-        policy = weight_grad.policy(policy)
+    if policy is not None and is_splitting():  # keep the B / W split's markers
+        policy = with_split_markers(policy)
     return body if policy is None else jax.checkpoint(body, policy=policy)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxtp.configs.axes import EXPERT, MODEL
+from jaxtp.configs import EXPERT, MODEL
 
 
 def copy_to_model(x: jax.Array, axis: str = MODEL) -> jax.Array:

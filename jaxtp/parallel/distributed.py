@@ -26,7 +26,7 @@ import importlib.util
 import os
 import sys
 
-from jaxtp.configs.schema import ConfigError
+from jaxtp.configs import ConfigError
 
 TIMEOUTS_S = {"init": 120, "heartbeat": 30, "shutdown": 60}
 

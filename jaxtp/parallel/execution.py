@@ -27,11 +27,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtp.configs import CONTEXT, TP_AXIS
 from jaxtp.parallel import collectives
-from jaxtp.configs.axes import CONTEXT, TP_AXIS
-from jaxtp.parallel.ring_attention import ring_attention
+from jaxtp.parallel.ring import ring_attention
 from jaxtp.parallel.sharding import Rules, constrain, restrict, without_axes, zero_axes_of
-
 
 GATHERED = "zero_gathered"
 # The output of a row-parallel all-reduce / reduce-scatter (explicit mode): the remat policies save

@@ -15,8 +15,8 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxtp.configs import BATCH_AXES, spec_axes
 from jaxtp.parallel import collectives
-from jaxtp.configs.axes import BATCH_AXES, spec_axes
 from jaxtp.parallel.execution import on_tp_blocks
 from jaxtp.parallel.sharding import zero_axes_of
 

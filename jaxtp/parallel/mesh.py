@@ -18,8 +18,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxtp.configs.axes import AXES, BATCH_AXES  # noqa: F401  (BATCH_AXES: the mesh's public names)
-from jaxtp.configs.schema import ConfigError, ParallelConfig
+from jaxtp.configs import AXES, ConfigError, ParallelConfig
 
 
 def resolve_degrees(parallel: ParallelConfig, n_devices: int) -> dict[str, int]:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtp.parallel import validate
+from jaxtp.parallel import validation as validate
 
 LAYOUTS = validate.CONTEXT_LAYOUTS
 _MASKED = -1e30  # finite, so a fully masked row never turns exp(-inf - -inf) into NaN
@@ -38,7 +38,7 @@ _MASKED = -1e30  # finite, so a fully masked row never turns exp(-inf - -inf) in
 
 def check_sequence(seq_len: int, cp: int, layout: str) -> None:
     """Raise ``ValueError`` unless a global sequence of ``seq_len`` can be laid out over ``cp``
-    (the rule lives in :func:`jaxtp.parallel.validate.check_sequence`)."""
+    (the rule lives in :func:`jaxtp.parallel.validation.check_sequence`)."""
     validate.check_sequence(seq_len, context=cp, layout=layout)
 
 

@@ -22,8 +22,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtp.configs.axes import BATCH_AXES, ZERO_AXES, entry_axes
-from jaxtp.configs.schema import ParallelConfig
+from jaxtp.configs import BATCH_AXES, ZERO_AXES, ParallelConfig, entry_axes
 
 MeshAxes = str | tuple[str, ...] | None
 

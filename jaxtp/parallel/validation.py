@@ -15,10 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from jaxtp.configs.axes import CONTEXT, EXPERT, MODEL, PIPELINE
-from jaxtp.configs.check_values import validate_model
-from jaxtp.configs.schema import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from jaxtp.pipeline.schedules import ScheduleError, check_pipeline
+from jaxtp.configs import (
+    CONTEXT,
+    EXPERT,
+    MODEL,
+    PIPELINE,
+    Config,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    validate_model,
+)
+from jaxtp.pipeline import ScheduleError, check_pipeline
 
 CONTEXT_LAYOUTS = ("zigzag", "contiguous")
 

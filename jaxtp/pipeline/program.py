@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxtp.pipeline.pack import in_flight_cap, pack  # noqa: F401  (public here too)
+from jaxtp.pipeline.packing import pack
 from jaxtp.pipeline.schedules import Schedule, ScheduleError, Tick, check_pipeline
 
 # columns of Program.rows
@@ -154,7 +154,7 @@ class Program:
 
     def branch_weights(self, rank: int) -> dict[int, tuple[float, ...]]:
         """How often ``rank`` takes each branch of each segment's ``lax.switch``, as fractions
-        of the segment's ticks, keyed by the branch count (:data:`jaxtp.inspect.census.BranchWeights`; the
+        of the segment's ticks, keyed by the branch count (:data:`jaxtp.inspect.hlo.BranchWeights`; the
         segments' counts differ, see :func:`compile_schedule`)."""
         out = {}
         for seg in self.segments:

@@ -35,11 +35,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxtp.configs import PIPELINE
 from jaxtp.pipeline import program as col  # the columns of Program.rows
 from jaxtp.pipeline import weight_grad
-from jaxtp.configs.axes import PIPELINE
-from jaxtp.pipeline.layer_order import ranks_to_stages, stages_to_ranks  # noqa: F401  (public here too)
-from jaxtp.pipeline.buffers import (  # noqa: F401  (varying_axes, vary_over: public here too)
+from jaxtp.pipeline.buffers import (
     add,
     add_chunk,
     add_chunk_leaves,
@@ -51,8 +50,8 @@ from jaxtp.pipeline.buffers import (  # noqa: F401  (varying_axes, vary_over: pu
     zeros,
     zeros_like,
 )
-from jaxtp.pipeline.program import Branch, Program, Segment, Step, compile_schedule  # noqa: F401
-from jaxtp.pipeline.schedules import Schedule, ScheduleError, check_pipeline  # noqa: F401
+from jaxtp.pipeline.program import Branch, Segment, Step, compile_schedule
+from jaxtp.pipeline.schedules import Schedule, ScheduleError
 from jaxtp.pipeline.stage_residuals import join_vjp, split_vjp, vjp_leaves
 from jaxtp.pipeline.stage_transfer import sender
 

@@ -49,7 +49,7 @@ def is_splitting() -> bool:
     return _splitting.get()
 
 
-def policy(base):
+def with_split_markers(base):
     """Remat policy ``base`` that also saves the markers (so they stay residuals)."""
     names = jax.checkpoint_policies.save_only_these_names(MARK)
     return names if base is None else jax.checkpoint_policies.save_from_both_policies(base, names)

@@ -30,8 +30,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from jaxtp.configs.axes import AXES  # noqa: F401  (the mesh order; importers read it here)
-from jaxtp.configs.schema import Config
+from jaxtp.configs import AXES, Config
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 REMATS = ("none", "selective", "full")  # fastest first

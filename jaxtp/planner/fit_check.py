@@ -8,7 +8,7 @@ it, so a layout that will run out of memory says so before minutes of compilatio
 
 from __future__ import annotations
 
-from jaxtp.configs.schema import Config
+from jaxtp.configs import Config
 from jaxtp.planner.cost_model import Layout, Shape
 from jaxtp.planner.memory_model import memory
 

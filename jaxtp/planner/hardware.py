@@ -23,8 +23,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxtp.configs.schema import ConfigError
-
+from jaxtp.configs import ConfigError
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity), keyed by a substring of
 # JAX's ``device_kind``: the one peak table, for MFU at run time and for the presets below.

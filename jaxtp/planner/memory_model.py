@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import functools
 
-from jaxtp.configs.schema import ConfigError
+from jaxtp.configs import ConfigError
+from jaxtp.pipeline import (
+    Program,
+    ScheduleError,
+    build_schedule,
+    compile_schedule,
+    stores_residuals,
+)
 from jaxtp.planner.cost_model import Layout, Shape
-from jaxtp.pipeline.program import Program, compile_schedule, stores_residuals
-from jaxtp.pipeline.schedules import ScheduleError
-from jaxtp.pipeline.schedules import build as build_schedule
 
 
 def effective_remat(layout: Layout) -> str:

@@ -17,15 +17,21 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from jaxtp.configs.axes import BATCH_AXES
-from jaxtp.configs.schema import Config, ConfigError
+from jaxtp.configs import BATCH_AXES, Config, ConfigError
+from jaxtp.parallel import validate
+from jaxtp.pipeline import stores_residuals
 from jaxtp.planner.cost_model import AXES, REMATS, SCHEDULES, Estimate, Layout, Shape
 from jaxtp.planner.hardware import Hardware
-from jaxtp.planner.memory_model import (batch_expert, effective_remat, memory, micro_batch_size,
-                                program, stage_params, zero_shards)
-from jaxtp.pipeline.program import stores_residuals
+from jaxtp.planner.memory_model import (
+    batch_expert,
+    effective_remat,
+    memory,
+    micro_batch_size,
+    program,
+    stage_params,
+    zero_shards,
+)
 from jaxtp.planner.time_model import gradient_sync, link, step_time
-from jaxtp.parallel.validate import validate
 
 # ---------------------------------------------------------------------------------------------
 # The search
@@ -202,7 +208,7 @@ def plan(cfg: Config, n_devices: int, hw: Hardware, *, space: SearchSpace = Sear
 
 
 def engine_support(cfg: Config, layout: Layout) -> str:
-    """"" when this version of jaxtp's trainer accepts ``layout`` (:func:`jaxtp.parallel.validate.validate`,
+    """"" when this version of jaxtp's trainer accepts ``layout`` (:func:`jaxtp.parallel.validation.validate`,
     the trainer's own rules), else its reason."""
     par = dataclasses.replace(cfg.parallel, **{a: getattr(layout, a) for a in AXES},
                               zero_stage=layout.zero_stage, remat=layout.remat,
@@ -226,7 +232,7 @@ def predicted_grad_step(s: Shape, layout: Layout, *, activations: str = "jaxtp")
     arguments (parameters + the int32 token batch), outputs (gradients in the stage's sharding +
     the loss), the rest (full local gradients before the sync, activations, transients: XLA's
     temporaries), and the bytes per device per step of each (collective, mesh axes) in
-    :mod:`jaxtp.inspect.census`'s convention (all-reduce: the buffer; all-gather: the result;
+    :mod:`jaxtp.inspect.hlo`'s convention (all-reduce: the buffer; all-gather: the result;
     reduce-scatter: the input). The optimizer state is not part of this step."""
     mem = memory(s, layout, activations=activations)
     n_p, n_g, _ = zero_shards(layout)
@@ -267,39 +273,3 @@ def predicted_grad_step(s: Shape, layout: Layout, *, activations: str = "jaxtp")
             s.layers * layer + pb * table)
     out["collectives"] = census
     return out
-
-
-def verify(cfg: Config, estimates: list[Estimate], k: int, *,
-           activations: str = "jaxtp") -> list[dict]:
-    """Compile the grad step of the first ``k`` layouts this version's engine builds (AOT, from
-    abstract inputs on the current -- e.g. simulated CPU -- devices) and set each beside its
-    prediction. Layouts ranked above them that the engine rejects are returned too, with the
-    reason ("not compilable in this version")."""
-    from jaxtp.step import engine
-    from jaxtp.inspect import census as hlo
-    from jaxtp.configs.schema import apply_overrides
-    from jaxtp.inspect.report import compile_step
-    from jaxtp.parallel.mesh import mesh_shape
-
-    s, rows, done = Shape.of(cfg), [], 0
-    for rank, est in enumerate(estimates, 1):
-        if done == k:
-            break
-        row = {"rank": rank, "layout": est.layout,
-               "predicted": predicted_grad_step(s, est.layout, activations=activations)}
-        rows.append(row)
-        try:
-            eng = engine.build(apply_overrides(cfg, est.layout.overrides()))
-        except ConfigError as err:
-            row["not_compilable"] = str(err)
-            continue
-        compiled = compile_step(eng, "grad")
-        mem = compiled.memory_analysis()
-        row["compiled"] = {"arguments": int(mem.argument_size_in_bytes),
-                           "outputs": int(mem.output_size_in_bytes),
-                           "temporaries": int(mem.temp_size_in_bytes),
-                           "collectives": {(c["kind"], tuple(c["axes"])): c["bytes"]
-                                           for c in hlo.census(hlo.collectives(
-                                               compiled.as_text(), mesh_shape(eng.mesh)))}}
-        done += 1
-    return rows

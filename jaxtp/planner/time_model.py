@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import math
 
+from jaxtp.pipeline import lockstep_factor, stores_residuals
 from jaxtp.planner.cost_model import AXES, Layout, Shape
 from jaxtp.planner.hardware import Hardware, Link
-from jaxtp.planner.memory_model import (effective_remat, layer_activation_bytes, micro_batch_size,
-                                stage_params, zero_shards)
-from jaxtp.pipeline.program import stores_residuals
-from jaxtp.pipeline.schedules import lockstep_factor
+from jaxtp.planner.memory_model import (
+    effective_remat,
+    layer_activation_bytes,
+    micro_batch_size,
+    stage_params,
+    zero_shards,
+)
 
 
 def link(layout: Layout, axes: tuple[str, ...], hw: Hardware) -> Link:
@@ -103,7 +107,7 @@ def step_time(s: Shape, layout: Layout, hw: Hardware, *,
         ln, kv = link(layout, ("context",), hw), 2 * tokens * s.kv_heads * s.head_dim / t
         hop = lambda nbytes: ln.latency + nbytes / ln.bandwidth  # noqa: E731
         # forward: c - 1 K/V hops; backward: K/V again with the fp32 dK/dV accumulators, which
-        # take one more hop home (jaxtp.parallel.ring_attention)
+        # take one more hop home (jaxtp.parallel.ring)
         ring_f, ring_b = (c - 1) * hop(kv * e), (c - 1) * hop(kv * (e + 4)) + hop(kv * 4)
         att = f_attn / rate
         cp = layers * (max(0.0, ring_f - att) + max(0.0, ring_b - 2 * att)

@@ -30,14 +30,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtp.configs.axes import CONTEXT, PIPELINE
-from jaxtp.configs.errors import ConfigError
-from jaxtp.layers.attention import rope_tables
-from jaxtp.step.layout import Layout
-from jaxtp.layers.transformer import embed_tokens
-from jaxtp.step.region import Region
+from jaxtp.configs import CONTEXT, PIPELINE, ConfigError, entry_axes
+from jaxtp.layers import embed_tokens, rope_tables
+from jaxtp.parallel import named
 from jaxtp.serve.sampling import SamplerArgs, row_keys, sample
-from jaxtp.parallel.sharding import entry_axes, named
+from jaxtp.step import Layout, Region
 
 # The cache's logical dims: [layers, batch, seq (cache slots), kv_heads, head_dim]
 CACHE_NAMES = (None, "batch", "seq", "kv_heads", "head_dim")

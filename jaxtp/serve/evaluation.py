@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from jaxtp.configs.errors import ConfigError
+from jaxtp.configs import ConfigError
 from jaxtp.serve.generate import Tokenizer, bucket
 
 ROWS = 16  # windows / (context, choice) pairs scored per call

@@ -17,13 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtp.configs import ConfigError
+from jaxtp.parallel import batch_shards, named
 from jaxtp.serve import decode
-from jaxtp.configs.errors import ConfigError
-from jaxtp.step.layout import Layout
-from jaxtp.step.region import Region
 from jaxtp.serve.sampling import SamplerArgs
-from jaxtp.parallel.sharding import named
-from jaxtp.parallel.validate import batch_shards
+from jaxtp.step import Layout, Region
 
 MAX_STOP_TOKENS = 8  # stop ids are padded to this many (one compile for any stop set)
 

@@ -18,17 +18,14 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxtp.configs import PIPELINE, Config
+from jaxtp.layers import Transformer
+from jaxtp.parallel import LocalOps
 from jaxtp.step import pipelined as pipelined_step
 from jaxtp.step import plain as step
-from jaxtp.configs.axes import PIPELINE
-from jaxtp.configs.schema import Config
-from jaxtp.parallel.execution import LocalOps
-from jaxtp.parallel.grad_sync import mark_data_parallel, sync_grads  # noqa: F401  (public here too)
 from jaxtp.step.layout import Batch, Layout, abstract_model, build_layout
-from jaxtp.layers.transformer import Transformer
-from jaxtp.step.region import Region, region_for
-from jaxtp.parallel.sharding import named  # noqa: F401  (public here too)
 from jaxtp.step.plain import moe_metrics, token_losses_and_aux
+from jaxtp.step.region import Region, region_for
 from jaxtp.step.token_mean import masked_sum, token_count
 
 
@@ -104,9 +101,9 @@ class Engine:
         return self._jit(self.loss_fn(), self._replicated)
 
 
-def build(cfg: Config, devices=None, *, training: bool = True) -> Engine:
+def build_engine(cfg: Config, devices=None, *, training: bool = True) -> Engine:
     """Validate ``cfg`` against the devices and derive the layout, region and steps
-    (``training=False``: for scoring only, see :func:`jaxtp.parallel.validate.validate`)."""
+    (``training=False``: for scoring only, see :func:`jaxtp.parallel.validation.validate`)."""
     return Engine(build_layout(cfg, devices, training=training))
 
 

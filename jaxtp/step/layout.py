@@ -19,16 +19,25 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtp.pipeline import layer_order
-from jaxtp.configs.axes import CONTEXT, PIPELINE
-from jaxtp.configs.check_values import validate_model
-from jaxtp.configs.schema import Config
-from jaxtp.parallel.ring_attention import positions_for_layout, to_layout
-from jaxtp.parallel.mesh import build_mesh, mesh_shape
-from jaxtp.layers.transformer import Transformer
-from jaxtp.parallel.sharding import (Rules, ZeroLayout, activation_rules, batch_spec, named, param_rules,
-                            param_specs, zero_layout, zero_specs)
-from jaxtp.parallel.validate import validate
+from jaxtp.configs import CONTEXT, PIPELINE, Config, validate_model
+from jaxtp.layers import Transformer
+from jaxtp.parallel import (
+    Rules,
+    ZeroLayout,
+    activation_rules,
+    batch_spec,
+    build_mesh,
+    mesh_shape,
+    named,
+    param_rules,
+    param_specs,
+    positions_for_layout,
+    to_layout,
+    validate,
+    zero_layout,
+    zero_specs,
+)
+from jaxtp.pipeline import to_natural_order, to_pipeline_order
 
 Batch = dict[str, jax.Array]  # {"inputs": [B,S] int32, "targets": [B,S] int32}
 
@@ -155,7 +164,7 @@ class Layout:
 
     def to_pipeline_order(self, tree):
         """Natural layer order -> this layout's (rank-major under interleaved pipelines)."""
-        return layer_order.to_pipeline_order(tree, self.degrees[PIPELINE],
+        return to_pipeline_order(tree, self.degrees[PIPELINE],
                                              self.cfg.parallel.virtual_stages, self.layer_units)
 
     def natural_layers(self, tree, *, inverse: bool = False):
@@ -165,7 +174,7 @@ class Layout:
         if self.cfg.parallel.virtual_stages == 1:
             return tree
         p, v, units = self.degrees[PIPELINE], self.cfg.parallel.virtual_stages, self.layer_units
-        move = layer_order.to_pipeline_order if inverse else layer_order.to_natural_order
+        move = to_pipeline_order if inverse else to_natural_order
         shardings = jax.tree.map(lambda a: a.sharding, tree)
         return jax.jit(lambda t: move(t, p, v, units), out_shardings=shardings)(tree)
 
@@ -208,7 +217,7 @@ class Layout:
 
 def build_layout(cfg: Config, devices=None, *, training: bool = True) -> Layout:
     """Validate ``cfg`` against the devices and derive the mesh, tables and abstract model
-    (``training=False``: without the ``train.*`` batch rules, :func:`jaxtp.parallel.validate.validate`)."""
+    (``training=False``: without the ``train.*`` batch rules, :func:`jaxtp.parallel.validation.validate`)."""
     validate_model(cfg.model)  # the model's own rules before the mesh's
     mesh = build_mesh(cfg.parallel, devices)
     degrees = mesh_shape(mesh)

@@ -13,7 +13,7 @@ et al.'s scatter/gather; under sequence parallelism the stream is already sliced
 parallelism, ZeRO 1-3 and FSDP. Not yet: context parallelism (ring attention's ``ppermute`` s
 would run inside the schedule's per-tick ``lax.switch``, and XLA:CPU joins a collective-permute
 over all devices, so ranks in different branches would pair the wrong ones) and MoE (a stage does
-not carry router losses); :func:`jaxtp.parallel.validate.validate` says so before compile.
+not carry router losses); :func:`jaxtp.parallel.validation.validate` says so before compile.
 
 **Layout.** The blocks' stacked ``layers`` dim is sharded over ``pipeline``, in the order of
 :mod:`jaxtp.pipeline.layer_order` (rank-major for interleaved pipelines; checkpoints stay in natural order).
@@ -43,14 +43,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxtp.pipeline import runtime as pipeline
-from jaxtp.pipeline import program as pipeline_program
-from jaxtp.pipeline import schedules
-from jaxtp.configs.axes import MODEL, PIPELINE
-from jaxtp.parallel.grad_sync import mark_data_parallel, sync_grads
-from jaxtp.layers.attention import positional
+from jaxtp.configs import MODEL, PIPELINE
+from jaxtp.layers import embed_tokens, positional, scan_layers, token_losses_of
+from jaxtp.parallel import mark_data_parallel, sync_grads
+from jaxtp.pipeline import (
+    Program,
+    build_schedule,
+    compile_schedule,
+    pipeline_value_and_grad,
+    stores_residuals,
+    vary_over,
+    varying_axes,
+)
 from jaxtp.step.layout import Layout
-from jaxtp.layers.transformer import embed_tokens, scan_layers, token_losses_of
 from jaxtp.step.region import Region
 from jaxtp.step.token_mean import masked_sum, token_count
 
@@ -60,20 +65,20 @@ def stores_residuals(layout: Layout) -> bool:
     ``parallel.remat`` saves) or recomputes the stage from its input
     (:func:`jaxtp.pipeline.program.stores_residuals`: under ``remat=full`` and for GPipe)."""
     par = layout.cfg.parallel
-    return pipeline_program.stores_residuals(par.pipeline_schedule, par.remat)
+    return stores_residuals(par.pipeline_schedule, par.remat)
 
 
-def program(layout: Layout) -> pipeline.Program:
+def program(layout: Layout) -> Program:
     """The compiled schedule the pipelined step runs."""
     par = layout.cfg.parallel
-    return pipeline.compile_schedule(schedules.build(
+    return compile_schedule(build_schedule(
         par.pipeline_schedule, layout.degrees[PIPELINE], layout.cfg.train.microbatches,
         par.virtual_stages), residuals=stores_residuals(layout))
 
 
 def branch_weights(layout: Layout, rank: int = 0) -> dict[int, tuple[float, ...]]:
     """How often pipeline ``rank`` takes each branch of the schedule's per-tick ``lax.switch`` es,
-    as fractions of their ticks, keyed by the branch count (:data:`jaxtp.inspect.census.BranchWeights`):
+    as fractions of their ticks, keyed by the branch count (:data:`jaxtp.inspect.hlo.BranchWeights`):
     what the census needs to count the stages' collectives as executed, not once per tick each."""
     return program(layout).branch_weights(rank)
 
@@ -158,7 +163,7 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
     cfg = layout.cfg
     par = cfg.parallel
     p, v, m = layout.degrees[PIPELINE], par.virtual_stages, cfg.train.microbatches
-    schedule = schedules.build(par.pipeline_schedule, p, m, v)
+    schedule = build_schedule(par.pipeline_schedule, p, m, v)
     n_tokens = cfg.train.batch_size * cfg.train.seq_len
     dp, replicas = region.token_axes, region.replica_axes
     parts = _Parts(layout, region)
@@ -184,7 +189,7 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
             side, rope = None, parts.rope(batch["positions"][: tokens.shape[1]])
             # varying over `pipeline` as a tick's operands are: a stage's backward then casts
             # nothing (ZB-H1's B / W split runs it as a jaxpr traced once, outside the ticks)
-            rope = jax.tree.map(lambda a: pipeline.vary_over(a, {PIPELINE}), rope)
+            rope = jax.tree.map(lambda a: vary_over(a, {PIPELINE}), rope)
 
             def stage(chunk, x):
                 return parts.stage(chunk, x, rope)
@@ -193,7 +198,7 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
             losses = parts.token_losses(hp, y, tgt["targets"])
             return masked_sum(losses, tgt.get("loss_mask")) * (m / denom)
 
-        loss, g = pipeline.pipeline_value_and_grad(
+        loss, g = pipeline_value_and_grad(
             stage, loss_fn, _chunks(layout, params["blocks"]), (tokens, targets),
             schedule=schedule, send_split=_send_split(layout), embed_fn=parts.embed,
             embed_params={"embed": gathered["embed"]}, side=side,
@@ -223,13 +228,13 @@ def _run_stages(layout: Layout, parts: _Parts, params, tokens, rope):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, False), chunks)
 
     # the carry varies like a stage's output (over `pipeline`, and whatever the stage adds)
-    x = pipeline.vary_over(parts.embed(params, tokens), (PIPELINE,))
-    vma = pipeline.varying_axes(parts.stage(chunk_at(0), x, rope))
-    x = pipeline.vary_over(x, vma)
+    x = vary_over(parts.embed(params, tokens), (PIPELINE,))
+    vma = varying_axes(parts.stage(chunk_at(0), x, rope))
+    x = vary_over(x, vma)
 
     def one_stage(x, k):
         def run(x):
-            return pipeline.vary_over(parts.stage(chunk_at(k // p), x, rope), vma)
+            return vary_over(parts.stage(chunk_at(k // p), x, rope), vma)
         owner = (rank == k % p).astype(jnp.int32)
         y = jax.lax.switch(owner, [lambda x: x, run], x)
         return jax.lax.ppermute(y, PIPELINE, perm), None
@@ -241,7 +246,7 @@ def _run_stages(layout: Layout, parts: _Parts, params, tokens, rope):
 
 def forward_branch_weights(layout: Layout) -> dict[int, tuple[float, ...]]:
     """How often a rank takes each branch of the forward-only pass's per-stage switch (pass
-    through, run): :data:`jaxtp.inspect.census.BranchWeights` for the census of the ``loss`` step."""
+    through, run): :data:`jaxtp.inspect.hlo.BranchWeights` for the census of the ``loss`` step."""
     p = layout.degrees[PIPELINE]
     return {2: (1 - 1 / p, 1 / p)}
 
@@ -264,7 +269,7 @@ def forward_fn(layout: Layout, region: Region, head: str) -> Callable:
             return losses
         n_tokens = losses.size * region.n_token_ranks
         # invariant over a size-1 token axis (explicit mode names them all): cast, then sum
-        total = pipeline.vary_over(masked_sum(losses, batch.get("loss_mask")), region.token_axes)
+        total = vary_over(masked_sum(losses, batch.get("loss_mask")), region.token_axes)
         total = jax.lax.psum(total, region.token_axes) if region.token_axes else total
         return total / token_count(batch, n_tokens, region.token_axes)
 

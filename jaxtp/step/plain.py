@@ -27,9 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxtp.configs.axes import CONTEXT
-from jaxtp.parallel.grad_sync import mark_data_parallel, sync_grads
-from jaxtp.parallel.ring_attention import from_layout
+from jaxtp.configs import CONTEXT
+from jaxtp.parallel import from_layout, mark_data_parallel, sync_grads
 from jaxtp.step.layout import Batch, Layout
 from jaxtp.step.region import Region
 from jaxtp.step.token_mean import masked_sum, token_count

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 import jax
 from flax import nnx
 
-from jaxtp.configs.axes import CONTEXT, MODEL, token_axes
-from jaxtp.parallel.execution import ExplicitOps, GSPMDOps, gather_params
+from jaxtp.configs import CONTEXT, MODEL, token_axes
+from jaxtp.parallel import ExplicitOps, GSPMDOps, gather_params, restrict
 from jaxtp.step.layout import Layout, is_spec
-from jaxtp.parallel.sharding import restrict
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import jax
 
-from jaxtp.configs.check_values import parse_profile_steps
-from jaxtp.configs.schema import Config
+from jaxtp.configs import Config, parse_profile_steps
 
 _SCALARS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
             "tokens_per_s": "train/tokens_per_s", "step_time_s": "train/step_time_s",

@@ -15,8 +15,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxtp.configs.schema import ModelConfig
-from jaxtp.planner.hardware import PEAK_FLOPS
+from jaxtp.configs import ModelConfig
+from jaxtp.planner import PEAK_FLOPS
 
 
 def training_flops(*, matmul_params: float, n_layers: int, seq_len: int, attn_width: int,

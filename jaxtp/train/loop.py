@@ -33,8 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxtp.train import events
-from jaxtp.train import optim
+from jaxtp.train import events, optim
 from jaxtp.train.prefetch import Prefetcher
 
 MOE_METRICS = ("lm_loss", "aux_loss", "load_balancing_loss", "z_loss", "dropped_fraction",

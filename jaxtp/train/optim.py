@@ -9,7 +9,7 @@ import jax
 import optax
 from flax import nnx
 
-from jaxtp.configs.schema import TrainConfig
+from jaxtp.configs import TrainConfig
 
 
 def schedule(t: TrainConfig) -> optax.Schedule:

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from jaxtp.configs.schema import ConfigError
+from jaxtp.configs import ConfigError
 
 WATCHDOG_EXIT_CODE = 5
 

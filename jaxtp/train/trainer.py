@@ -22,18 +22,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtp.data import batches as data_lib
-from jaxtp.step import engine as engine_lib
-from jaxtp.train import events
-from jaxtp.ckpt import integrity
-from jaxtp.train import optim
-from jaxtp.train import run_guard
-from jaxtp.configs.check_values import check_run_files
-from jaxtp.configs.schema import Config
-from jaxtp.planner.fit_check import fit_warning
+from jaxtp.ckpt import restore_latest_good, write_run_config
+from jaxtp.configs import Config, check_run_files
+from jaxtp.data import loaders
+from jaxtp.planner import fit_warning
+from jaxtp.step import build_engine
+from jaxtp.train import events, optim, run_guard
 from jaxtp.train.flops import model_flops, peak_flops
-from jaxtp.train.loop import Loop, TrainingDiverged  # noqa: F401  (TrainingDiverged: public here)
-from jaxtp.ckpt.run_dir import write_run_config
+from jaxtp.train.loop import Loop
 
 
 @dataclass
@@ -55,7 +51,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, devices=None):
         self.cfg = cfg
-        self.engine = engine_lib.build(cfg, devices)
+        self.engine = build_engine(cfg, devices)
         self.tx = optim.build(cfg.train, self.engine.abstract_params)
         self._replicated = NamedSharding(self.engine.mesh, PartitionSpec())
         self._step = None  # the jitted step, built by the first step()
@@ -213,7 +209,7 @@ def _initial_state(trainer: Trainer, ckpt, loader, *, log: bool) -> tuple[TrainS
         say(f"starting from the model in {ckpt.directory / str(latest)} (fresh optimizer, "
             f"step 0)")
         return trainer.init_state(params), 0
-    good = integrity.restore_latest_good(ckpt, trainer.abstract_state(), log=say)
+    good = restore_latest_good(ckpt, trainer.abstract_state(), log=say)
     if good is None:
         return trainer.init_state(), 0
     _, state, data_state = good
@@ -225,10 +221,10 @@ def _initial_state(trainer: Trainer, ckpt, loader, *, log: bool) -> tuple[TrainS
 
 def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_guard.Watchdog,
            trainer: Trainer | None = None) -> list[dict]:
-    from jaxtp.ckpt.checkpoint import Checkpointer
+    from jaxtp.ckpt import Checkpointer
 
     t = cfg.train
-    loader, eval_loader = data_lib.loaders(cfg, cache_dir=t.out_dir,
+    loader, eval_loader = loaders(cfg, cache_dir=t.out_dir,
                                            process_index=jax.process_index(),
                                            process_count=jax.process_count())
     trainer = trainer or Trainer(cfg, devices)
