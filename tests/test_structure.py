@@ -204,6 +204,19 @@ def test_no_reexports_outside_the_faces():
     assert not bad, "\n".join(bad)
 
 
+def test_no_module_shadows_a_name_it_imports():
+    """A module-level ``def`` / ``class`` with the name of something the module imports from
+    jaxtp replaces the import silently (and its calls go to the wrong function)."""
+    bad = []
+    for name, path in MODULES.items():
+        imported = {local.split(".")[0]: line for line, _, _, local in _imports(name, path)}
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in imported:
+                bad.append(f"{_rel(path)}:{node.lineno} defines {node.name}, imported at line "
+                           f"{imported[node.name]}")
+    assert not bad, "\n".join(bad)
+
+
 def test_modules_stay_under_the_line_cap():
     long = {_rel(p): n for p in MODULES.values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
@@ -212,7 +225,7 @@ def test_modules_stay_under_the_line_cap():
 
 def test_the_checker_can_fail(tmp_path, monkeypatch):
     """Each check fires: a cycle, a private import, an upward edge, an import past a face, a
-    name the face does not offer, a re-export."""
+    name the face does not offer, a re-export, a shadowed import."""
     pkg = tmp_path / "jaxtp"
     for sub in ("configs", "parallel"):
         (pkg / sub).mkdir(parents=True)
@@ -224,7 +237,8 @@ def test_the_checker_can_fail(tmp_path, monkeypatch):
     (pkg / "configs" / "b.py").write_text("from jaxtp.configs.a import thing\n_hidden = thing\n")
     (pkg / "parallel" / "__init__.py").write_text("__all__ = []\n")
     (pkg / "parallel" / "ring.py").write_text("from jaxtp.configs.a import thing\n"
-                                              "from jaxtp.configs import other\n")
+                                              "from jaxtp.configs import other\n"
+                                              "def other(): return thing\n")
     monkeypatch.setattr(sys.modules[__name__], "MODULES", _modules(pkg))
     checks = [
         (test_no_import_cycles, "jaxtp.configs.a -> jaxtp.configs.b -> jaxtp.configs.a"),
@@ -236,6 +250,7 @@ def test_the_checker_can_fail(tmp_path, monkeypatch):
         (test_other_packages_are_reached_through_their_face,
          "parallel/ring.py:2 imports other from jaxtp.configs, which does not offer it"),
         (test_no_reexports_outside_the_faces, "configs/a.py:2 imports ring and does not use it"),
+        (test_no_module_shadows_a_name_it_imports, "parallel/ring.py:3 defines other"),
     ]
     for check, message in checks:
         with pytest.raises(AssertionError, match=message):

@@ -60,7 +60,7 @@ from jaxtp.step.region import Region
 from jaxtp.step.token_mean import masked_sum, token_count
 
 
-def stores_residuals(layout: Layout) -> bool:
+def keeps_residuals(layout: Layout) -> bool:
     """Whether a stage's backward reads the VJP residuals its forward kept (what
     ``parallel.remat`` saves) or recomputes the stage from its input
     (:func:`jaxtp.pipeline.program.stores_residuals`: under ``remat=full`` and for GPipe)."""
@@ -73,7 +73,7 @@ def program(layout: Layout) -> Program:
     par = layout.cfg.parallel
     return compile_schedule(build_schedule(
         par.pipeline_schedule, layout.degrees[PIPELINE], layout.cfg.train.microbatches,
-        par.virtual_stages), residuals=stores_residuals(layout))
+        par.virtual_stages), residuals=keeps_residuals(layout))
 
 
 def branch_weights(layout: Layout, rank: int = 0) -> dict[int, tuple[float, ...]]:
@@ -203,7 +203,7 @@ def value_and_grad_fn(layout: Layout, region: Region) -> Callable:
             schedule=schedule, send_split=_send_split(layout), embed_fn=parts.embed,
             embed_params={"embed": gathered["embed"]}, side=side,
             head_params={"final_norm": gathered["final_norm"], out_key: gathered[out_key]},
-            residuals=stores_residuals(layout))
+            residuals=keeps_residuals(layout))
         grads = _assemble_grads(layout, gathered, g, ungather)
         loss = jax.lax.psum(loss, dp) if dp else loss
         grads = sync_grads(grads, layout.param_specs, layout.grad_specs, replicas)  # once
