@@ -64,7 +64,7 @@ def tracebacks(hlo_text: str) -> dict[int, tuple[Frame, ...]]:
 
     Each ``StackFrames`` row is ``ID {file_location_id=L parent_frame_id=P}``; XLA prints the
     parent's id plus one, so ``P = 1`` is a root frame (checked against compiled modules in
-    ``tests/test_inspect.py``). Empty when the module carries no tables.
+    ``tests/unit/inspect/test_inspect.py``). Empty when the module carries no tables.
     """
     tables: dict[str, dict[int, str]] = {}
     current = None

@@ -137,7 +137,7 @@ def formula_bubble(name: str, p: int, m: int, v: int = 1) -> float:
 def lockstep_ticks(name: str, p: int, m: int, v: int = 1) -> tuple[int, int]:
     """(ticks in which only forward passes run, ticks in which some rank runs a backward: a
     ``B``, or ZB-H1's ``W``) of
-    :func:`build_schedule`'s table, in closed form (``tests/test_schedules.py`` checks it against the
+    :func:`build_schedule`'s table, in closed form (``tests/unit/pipeline/test_schedules.py`` checks it against the
     simulated tables): GPipe ``m + p - 1`` of each; 1F1B and interleaved ``2 (v m + p - 1)`` ticks
     of which the first ``v p`` are forward-only (the warm-up: after it every tick carries a
     backward on some rank), for ``p >= 2``; ZB-H1 ``3 m + p - 1`` of which the first ``p``.

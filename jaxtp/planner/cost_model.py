@@ -13,7 +13,7 @@ This module holds what the two halves read and what they produce: :class:`Layout
 :class:`Shape` (its parameters and FLOPs per layer) and the :class:`Estimate` of one layout. The
 memory model is :mod:`jaxtp.planner.memory_model`, the time model :mod:`jaxtp.planner.time_model`.
 
-How well it predicts (tests/test_plan.py, on ``tiny`` compiled for 8 CPU devices): the compiled
+How well it predicts (tests/unit/planner/test_plan.py, on ``tiny`` compiled for 8 CPU devices): the compiled
 step's arguments (parameters + batch) and outputs (gradients) to well under 1%; the per-layer
 activations to 1% of what JAX's autodiff saves, for every recompute policy and dtype; the TP,
 DP and CP bytes of the collective census to 1%. XLA's temporaries come out 0.73-1.46 x the

@@ -4,7 +4,7 @@ context, ZeRO and FSDP parallelism, micro-batches and remat, in both execution m
 - Equivalence: the training loss (LM + the router losses) and every gradient equal the single-device
   reference (fp32; the tolerances of test_model_parallel). Routing is dropless here
   (``capacity_factor=0``) so that no float32 reassociation can move a token across a capacity
-  boundary; tests/test_moe.py checks that dropping is the same on every mesh.
+  boundary; tests/unit/layers/test_moe.py checks that dropping is the same on every mesh.
 - Census, per MoE layer (the difference between models of 2 and 1 MoE layers), from compiled HLO:
   2 all-to-alls over ``expert`` forward (dispatch, combine), 4 with backward, each of the device's
   dispatched slots ``E x (B / token shards) x C x D`` fp32.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "jaxtp"
+PACKAGE = Path(__file__).resolve().parents[2] / "jaxtp"
 MAX_LINES = 700
 # bottom up; packages on one level may not import each other. The top-level modules api and
 # testing sit on one level above serve and inspect; __main__ and __init__ are the entry points.

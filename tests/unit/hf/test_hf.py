@@ -19,7 +19,7 @@ from jaxtp.hf import importer as hf
 
 from pathlib import Path
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 TOL = 1e-4  # fp32, max |dlogits| (the bar); logits reach |60| on the tied fixtures
 

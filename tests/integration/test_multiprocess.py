@@ -20,7 +20,7 @@ import pytest
 
 from jaxtp.testing import train_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ["--config", "tiny", "train.steps=20", "train.log_every=5", "train.eval_every=20",
           "parallel.data=2", "parallel.model=4"]
 

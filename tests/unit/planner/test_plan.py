@@ -22,7 +22,7 @@ from jaxtp.planner import search as plan
 from jaxtp.configs.schema import ConfigError
 from jaxtp.planner.hardware import get_hardware, load_hardware
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 A100, H100 = get_hardware("a100"), get_hardware("h100")
 
 

@@ -4,6 +4,7 @@ model built to predict "the next byte value"), and the CLI run as a user would."
 import json
 import math
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from jaxtp.serve import evaluation as evaluate
 from jaxtp.configs.schema import ConfigError
 from jaxtp.testing import train_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(Path(__file__).resolve().parents[3])
 
 
 @pytest.fixture(scope="module")

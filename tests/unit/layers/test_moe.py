@@ -25,7 +25,7 @@ from jaxtp.parallel.sharding import Rules, param_specs
 AXES = ("pipeline", "data", "fsdp", "context", "expert", "model")
 B, S, D, F, E = 8, 32, 32, 64, 8  # 256 tokens
 RTOL, ATOL = 2e-5, 2e-6
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _cfg(**kw):

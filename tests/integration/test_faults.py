@@ -164,7 +164,7 @@ def test_read_only_out_dir(capsys, tmp_path, monkeypatch):
 
 def _env():
     env = train_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]),
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                          env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 

@@ -4,7 +4,7 @@ tables, the ZeRO placement or a parameter's logical names shows up here as a dif
 
 Regenerate after an intended change (and review the diff)::
 
-    python tests/test_golden_specs.py
+    python tests/unit/parallel/test_golden_specs.py
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "param_specs.json"
+GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "param_specs.json"
 
 # one representative mesh of 8 devices per preset: TP x ZeRO-3 inside fsdp (x EP for MoE)
 MESHES = {
@@ -52,7 +52,7 @@ def test_param_specs_match_the_golden_file():
                 for k in set(want[preset]) | set(got[preset])
                 if want[preset].get(k) != got[preset].get(k)}
         assert not diff, (f"{preset}: specs changed (golden, now): {diff}; if intended, "
-                          f"regenerate with: python tests/test_golden_specs.py")
+                          f"regenerate with: python tests/unit/parallel/test_golden_specs.py")
 
 
 def test_the_golden_file_pins_tensor_parallel_and_zero():
@@ -65,7 +65,7 @@ if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(json.dumps(all_tables(), indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from jaxtp.cli import host_malloc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_vs_maxtext_smoke_runs_jaxtp_side_only(tmp_path):
