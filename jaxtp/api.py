@@ -3,6 +3,7 @@
 Everything a training script or notebook needs, without reaching into the machinery::
 
     import jaxtp
+    jaxtp.use_cpu_devices(8)                    # on a host without accelerators, first
     cfg = jaxtp.config("tiny", {"parallel.data": 2, "parallel.model": 4})
     model = jaxtp.Model(cfg, seed=0)            # random init, sharded on the mesh
     logits = model.logits(tokens)               # [B, S, vocab_size], any layout
