@@ -208,7 +208,7 @@ class Model:
     # ---- saving -------------------------------------------------------------------------------
     def save(self, run_dir: str | Path) -> Path:
         """Write a params-only checkpoint (step 0) and ``config.json`` into ``run_dir``: a run
-        directory that :meth:`from_run` loads and ``jaxtp train train.out_dir=RUN_DIR`` starts
+        directory that :meth:`from_run` loads and ``jaxtp train --run RUN_DIR`` starts
         from (fresh optimizer, step 0)."""
         run_dir = Path(run_dir)
         ckpt_dir = run_dir / "checkpoints"

@@ -38,8 +38,8 @@ def format_plan(estimates: list[Estimate], *, title: str, stats: dict) -> str:
     lines = [title, f"{stats['costed']} layouts costed, {stats['fit']} fit; fastest first "
              f"(memory per device; time per step; MFU = model FLOPs / peak; exposed = "
              f"communication on the critical path / step)",
-             "runs here: yes = this version of jaxtp trains the layout; no = costed for "
-             "comparison only (--json says why; --runnable lists only those that run)", "",
+             ("runs here: yes = this version of jaxtp trains the layout; no = costed for "
+              "comparison only (--json says why; --runnable lists only those that run)"), "",
              f"  {'#':>2} {'layout':<58} {'m':>4} {'zero':>4} {'remat':<9} {'memory':>11} "
              f"{'step s':>9} {'MFU':>6} {'exposed':>7}  runs here"]
     for i, est in enumerate(estimates, 1):
@@ -117,7 +117,7 @@ def run_cli(*, config_name: str, n_devices: int, hardware: str, hardware_file: s
     from jaxtp.planner import load_hardware
 
     if n_devices < 1:
-        raise ConfigError(f"--devices {n_devices}: plan for at least one device")
+        raise ConfigError(f"--world-size {n_devices}: plan for at least one device")
     cfg_over, hw_over, pins = split_overrides(list(overrides))
     cfg = load(config_name, cfg_over)
     hw = load_hardware(hardware, hw_over, hardware_file)
