@@ -1,8 +1,9 @@
 """jaxtp: Megatron-style tensor parallelism in JAX, composed with the other parallelisms.
 
 The public API (the README's "Python API" section): ``jaxtp.config(preset, overrides)`` (the
-:mod:`jaxtp.configs.schema` module, made callable), :class:`Model`, :class:`Trainer`, ``jaxtp.data.loaders``
-and ``jaxtp.prepare_data``.
+:mod:`jaxtp.configs.schema` module, made callable), :class:`Model`, :class:`Trainer`, ``jaxtp.data.loaders``,
+``jaxtp.prepare_data``, and ``jaxtp.use_cpu_devices(n)`` (n simulated CPU devices on a host
+without accelerators; call it before anything touches JAX).
 
 The names load on first use (PEP 562), so ``import jaxtp.cli.host_malloc`` — what the ``jaxtp``
 command runs before anything else — does not import JAX.
@@ -12,10 +13,11 @@ import importlib
 
 __version__ = "0.1.0"
 _FROM = {"Config": "jaxtp.api", "ConfigError": "jaxtp.api", "Model": "jaxtp.api",
-         "Trainer": "jaxtp.api", "run_config": "jaxtp.api", "prepare_data": "jaxtp.data.prepare_data"}
+         "Trainer": "jaxtp.api", "run_config": "jaxtp.api", "prepare_data": "jaxtp.data.prepare_data",
+         "use_cpu_devices": "jaxtp.parallel"}
 _MODULES = {"config": "jaxtp.configs.schema", "data": "jaxtp.data"}
 __all__ = ["Config", "ConfigError", "Model", "Trainer", "config", "data", "prepare_data",
-           "run_config"]
+           "run_config", "use_cpu_devices"]
 
 
 def __getattr__(name: str):

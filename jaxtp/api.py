@@ -3,6 +3,7 @@
 Everything a training script or notebook needs, without reaching into the machinery::
 
     import jaxtp
+    jaxtp.use_cpu_devices(8)                    # on a host without accelerators, first
     cfg = jaxtp.config("tiny", {"parallel.data": 2, "parallel.model": 4})
     model = jaxtp.Model(cfg, seed=0)            # random init, sharded on the mesh
     logits = model.logits(tokens)               # [B, S, vocab_size], any layout
@@ -207,7 +208,7 @@ class Model:
     # ---- saving -------------------------------------------------------------------------------
     def save(self, run_dir: str | Path) -> Path:
         """Write a params-only checkpoint (step 0) and ``config.json`` into ``run_dir``: a run
-        directory that :meth:`from_run` loads and ``jaxtp train train.out_dir=RUN_DIR`` starts
+        directory that :meth:`from_run` loads and ``jaxtp train --run RUN_DIR`` starts
         from (fresh optimizer, step 0)."""
         run_dir = Path(run_dir)
         ckpt_dir = run_dir / "checkpoints"

@@ -50,7 +50,7 @@ def read_run_config(run_dir) -> Config:
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(f"{path} not found: {run_dir} is not a jaxtp run directory (train "
-                          f"with jaxtp train train.out_dir={run_dir}, or save a model there)")
+                          f"with jaxtp train --run {run_dir}, or save a model there)")
     try:
         return from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError) as e:

@@ -9,15 +9,16 @@ from jaxtp.cli import host_malloc
 
 # the verbs that run steps, where the allocator matters; the others start as they are
 RUNS_STEPS = ("train", "sample", "eval")
+HELP = ("-h", "--help")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     verb = next((a for a in args if not a.startswith("-")), None)
-    if argv is None and verb in RUNS_STEPS:
+    if argv is None and verb in RUNS_STEPS and not any(a in HELP for a in args):
         host_malloc.reexec_if_needed(args)
-    line = host_malloc.describe()
-    if line and verb in RUNS_STEPS:
+    line = host_malloc.describe()  # set only in the process the re-execution started
+    if line:
         print(line, file=sys.stderr, flush=True)
     from jaxtp.cli.commands import main as cli_main
 

@@ -3,8 +3,8 @@
 Its ``key=value`` overrides are split three ways (:func:`split_overrides`): ``parallel.<Layout
 field>`` and ``train.microbatches`` pin that choice in every layout, ``hardware.*`` change the
 hardware preset, the rest change the config. The ranked layouts print as a table
-(:func:`format_plan`: memory, step time, MFU, exposed communication, whether this version runs
-it) or as a JSON list, and ``--verify K``'s predicted-beside-compiled rows as a second table
+(:func:`format_plan`: memory, step time, MFU, exposed communication, and "runs here": whether
+this version of jaxtp trains the layout, :attr:`Estimate.supported` being ``""``) or as a JSON list, and ``--verify K``'s predicted-beside-compiled rows as a second table
 (:func:`format_verify`) or under each JSON row's ``verify`` key.
 """
 
@@ -37,7 +37,9 @@ def _layout_text(lo: Layout) -> str:
 def format_plan(estimates: list[Estimate], *, title: str, stats: dict) -> str:
     lines = [title, f"{stats['costed']} layouts costed, {stats['fit']} fit; fastest first "
              f"(memory per device; time per step; MFU = model FLOPs / peak; exposed = "
-             f"communication on the critical path / step)", "",
+             f"communication on the critical path / step)",
+             ("runs here: yes = this version of jaxtp trains the layout; no = costed for "
+              "comparison only (--json says why; --runnable lists only those that run)"), "",
              f"  {'#':>2} {'layout':<58} {'m':>4} {'zero':>4} {'remat':<9} {'memory':>11} "
              f"{'step s':>9} {'MFU':>6} {'exposed':>7}  runs here"]
     for i, est in enumerate(estimates, 1):
@@ -48,6 +50,9 @@ def format_plan(estimates: list[Estimate], *, title: str, stats: dict) -> str:
                      f"{'yes' if not est.supported else 'no'}")
     if not estimates:
         lines.append("  (no layout fits: more devices, more memory, or a smaller batch)")
+    elif all(est.supported for est in estimates):
+        lines.append("  (none of these runs in this version: add --runnable for the fastest "
+                     "that do)")
     return "\n".join(lines)
 
 
@@ -112,7 +117,7 @@ def run_cli(*, config_name: str, n_devices: int, hardware: str, hardware_file: s
     from jaxtp.planner import load_hardware
 
     if n_devices < 1:
-        raise ConfigError(f"--devices {n_devices}: plan for at least one device")
+        raise ConfigError(f"--world-size {n_devices}: plan for at least one device")
     cfg_over, hw_over, pins = split_overrides(list(overrides))
     cfg = load(config_name, cfg_over)
     hw = load_hardware(hardware, hw_over, hardware_file)

@@ -150,7 +150,7 @@ class TrainConfig:
     eval_batches: int = 4
     prefetch: int = 1  # batches read and placed ahead on a background thread (0 = inline)
     checkpoint_overlap: Literal["auto", "on", "off"] = "auto"  # save beside next step (loop.py)
-    out_dir: str = "runs/default"
+    out_dir: str = "runs/default"  # a preset's runs: runs/<preset> (get_preset)
     # Operations (run_guard.py, events.py): a step with no progress for this long stops the run
     # (a stuck peer must not hang a job); TensorBoard events; "START:END" jax.profiler traces.
     step_timeout_s: float = 1800.0
@@ -289,9 +289,12 @@ for _name, _shape in NARAYANAN_TABLE1.items():
 
 
 def get_preset(name: str) -> Config:
+    """The preset ``name``; its runs go to ``runs/<name>`` (``train.out_dir``), so runs of
+    different models do not share a directory."""
     if name not in PRESETS:
         raise ConfigError(f"unknown config {name!r}; presets are: {', '.join(sorted(PRESETS))}")
-    return PRESETS[name]()
+    cfg = PRESETS[name]()
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=f"runs/{name}"))
 
 
 # ----------------------------------------------------------------------------------------------

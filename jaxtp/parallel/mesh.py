@@ -19,10 +19,13 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxtp.configs import AXES, ConfigError, ParallelConfig
+from jaxtp.parallel.devices import simulate_hint
 
 
-def resolve_degrees(parallel: ParallelConfig, n_devices: int) -> dict[str, int]:
-    """Degrees per axis with the one ``-1`` filled in; errors name the degree to change."""
+def resolve_degrees(parallel: ParallelConfig, n_devices: int, *,
+                    platform: str | None = None) -> dict[str, int]:
+    """Degrees per axis with the one ``-1`` filled in; errors name the degree to change (and,
+    when the devices are CPUs (``platform``) and too few, how to simulate more)."""
     degrees = {a: getattr(parallel, a) for a in AXES}
     inferred = [a for a, d in degrees.items() if d == -1]
     bad = [f"parallel.{a}={d}" for a, d in degrees.items() if d == 0 or d < -1]
@@ -46,6 +49,8 @@ def resolve_degrees(parallel: ParallelConfig, n_devices: int) -> dict[str, int]:
         others = total // degrees["data"]
         if n_devices % others == 0:
             hint = f"; e.g. set parallel.data={n_devices // others} (or -1 to infer it)"
+        if platform == "cpu" and total > n_devices:
+            hint += f"; {simulate_hint(total)}"
         raise ConfigError(f"mesh {shape} needs {total} devices but {n_devices} are available"
                           f"{hint}")
     return degrees
@@ -76,7 +81,7 @@ def dcn_degrees(parallel: ParallelConfig, degrees: dict[str, int],
 def build_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The 6-axis mesh for ``parallel`` over ``devices`` (default: all devices)."""
     devices = list(jax.devices() if devices is None else devices)
-    degrees = resolve_degrees(parallel, len(devices))
+    degrees = resolve_degrees(parallel, len(devices), platform=devices[0].platform)
     shape = tuple(degrees[a] for a in AXES)
     n_processes = len({d.process_index for d in devices})
     if n_processes > 1:
@@ -95,3 +100,8 @@ def build_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
     return {a: int(s) for a, s in mesh.shape.items()}
+
+
+def describe_mesh(shape: dict[str, int]) -> str:
+    """``data=2 x model=4``: the axes of more than one device, outermost first."""
+    return " x ".join(f"{a}={d}" for a, d in shape.items() if d > 1) or "1 device"

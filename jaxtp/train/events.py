@@ -1,5 +1,8 @@
-"""What a run writes besides metrics.jsonl: TensorBoard events, a profiler window, config.json, and
-an honest summary.
+"""What a run says and writes besides metrics.jsonl: its start lines, TensorBoard events, a
+profiler window, and an honest summary.
+
+- :func:`start_lines`, :func:`config_lines`: devices, mesh, parameter count, run directory, and
+  the config keys that differ from the defaults (the whole config goes to ``config.json``).
 
 - :class:`EventWriter`: TensorBoard event files in ``<out_dir>/tensorboard`` (``tensorboardX``'s
   writer; ``train.tensorboard=false`` turns it off). Scalars, one point per logged step:
@@ -16,14 +19,15 @@ an honest summary.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
 
 from jaxtp.configs import Config, parse_profile_steps
+from jaxtp.parallel import describe_devices, describe_mesh
 
 _SCALARS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
             "tokens_per_s": "train/tokens_per_s", "step_time_s": "train/step_time_s",
@@ -91,9 +95,40 @@ class ProfileWindow:
                       f"{self.directory}", flush=True)
 
 
-def config_line(cfg: Config) -> str:
-    """The resolved config on one line, for the start of the log."""
-    return "config: " + json.dumps(dataclasses.asdict(cfg), separators=(",", ":"))
+def start_lines(cfg: Config, devices: Sequence[jax.Device], degrees: Mapping[str, int]
+                ) -> list[str]:
+    """What a run says before it starts: its devices, mesh, parameter count and directory."""
+    m = cfg.model
+    params = f"params: {_count(m.param_count())}"
+    if m.n_experts:
+        params += f" ({_count(m.param_count(active=True))} active per token)"
+    return [describe_devices(devices), f"mesh: {describe_mesh(dict(degrees))}", params,
+            f"run: {cfg.train.out_dir}"]
+
+
+def config_lines(cfg: Config, path: Path) -> list[str]:
+    """The resolved config for the log: one ``key = value`` line per key set differently from
+    the defaults (the dataclasses'); every key is in ``path`` (``config.json``)."""
+    default = Config()
+    lines = [f"config: every key in {path}; these differ from the defaults:"]
+    for section in dataclasses.fields(cfg):
+        ours, base = getattr(cfg, section.name), getattr(default, section.name)
+        for f in dataclasses.fields(ours):
+            value = getattr(ours, f.name)
+            if value != getattr(base, f.name):
+                lines.append(f"  {section.name}.{f.name} = {_text(value)}")
+    return lines
+
+
+def _text(value) -> str:
+    """A value as an override spells it (``true``, ``''``)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if value != "" else "''"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3g}B ({n:,})" if n >= 1e9 else f"{n / 1e6:.3g}M ({n:,})"
 
 
 def steady_state(records: list[dict]) -> tuple[float, float] | None:

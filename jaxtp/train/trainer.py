@@ -12,6 +12,7 @@ over the devices' peak (:func:`jaxtp.train.flops.peak_flops`).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtp.ckpt import restore_latest_good, write_run_config
 from jaxtp.configs import Config, check_run_files
 from jaxtp.data import loaders
+from jaxtp.parallel import cpu_fallback_warning
 from jaxtp.planner import fit_warning
 from jaxtp.step import build_engine
 from jaxtp.train import events, optim, run_guard
@@ -229,11 +231,16 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
                                            process_count=jax.process_count())
     trainer = trainer or Trainer(cfg, devices)
     eng = trainer.engine
-
+    devices = list(eng.mesh.devices.flat)
     out = Path(t.out_dir)
+    is_main = jax.process_index() == 0
+    if is_main:  # what it runs on, before anything is restored or compiled
+        print("\n".join(events.start_lines(cfg, devices, eng.degrees)), flush=True)
+        if warning := cpu_fallback_warning(devices):
+            print(warning, file=sys.stderr, flush=True)
+
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg,
                         layer_order=trainer.engine.natural_layers)
-    is_main = jax.process_index() == 0
     state, start = _initial_state(trainer, ckpt, loader, log=is_main)
     metrics_path = out / "metrics.jsonl"
     records = _read_records(metrics_path, start) if start else []
@@ -241,20 +248,19 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     if start and is_main:
         print(f"resuming from step {start} ({ckpt.directory})", flush=True)
-    if is_main:  # the resolved config, in the log and beside the metrics
-        print(events.config_line(cfg), flush=True)
-        print(loader.describe(), flush=True)
+    if is_main:  # the resolved config beside the metrics, and what differs in the log
         write_run_config(cfg, out)
+        print("\n".join(events.config_lines(cfg, out / "config.json")), flush=True)
+        print(loader.describe(), flush=True)
     if start >= t.steps:
         if is_main:
             print(f"nothing to train: the checkpoint is at step {start} and train.steps="
                   f"{t.steps}; raise train.steps to train further", flush=True)
         ckpt.close()
         return records
-    warning = fit_warning(cfg, eng.degrees, list(eng.mesh.devices.flat))
+    warning = fit_warning(cfg, eng.degrees, devices)
     if warning and is_main:  # the planner's prediction, before minutes of compilation
         print(warning, flush=True)
-    devices = list(eng.mesh.devices.flat)
     loop = Loop(cfg=cfg, trainer=trainer, ckpt=ckpt, loader=loader, eval_loader=eval_loader,
                 out=out, records=records, start=start, stop=stop, watchdog=watchdog,
                 flops_per_step=model_flops(cfg.model, batch_size=t.batch_size,

@@ -373,7 +373,11 @@ def test_tensorboard_profile_config_and_summary(tmp_path, capsys):
     assert any((tmp_path / "profile").rglob("*.xplane.pb"))
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["train"]["steps"] == 10 and saved["train"]["profile_steps"] == "3:5"
-    assert out.startswith("config: {")
+    # the start lines, then the keys that differ from the defaults, one per line
+    assert out.startswith(f"devices: 8 x cpu (simulated)\nmesh: data=8\nparams: 0.164M "
+                          f"(164,160)\nrun: {tmp_path}\n")
+    assert f"config: every key in {tmp_path / 'config.json'}; these differ" in out
+    assert "\n  train.steps = 10\n" in out and "\n  train.profile_steps = 3:5\n" in out
     assert "(steady state: median over logged windows" in out
     cfg = config.load("tiny", [f"train.out_dir={tmp_path}", "train.steps=5",
                                "train.tensorboard=false"])

@@ -92,7 +92,9 @@ def test_import_export_import_is_bit_exact(tmp_path, arch):
 
 
 def test_cli_import_train_export(tmp_path):
-    """import-hf writes a run directory that train continues and export-hf writes back out."""
+    """import-hf writes a run directory that train continues and export-hf writes back out.
+    Spelled the older way (``import-hf SRC DIR``, ``export-hf DIR OUT``, ``train.out_dir=``),
+    which keeps working; tests/integration/test_cli_convention.py spells it with --run / --out."""
     from jaxtp.cli import commands as cli
 
     src = tmp_path / "src"
