@@ -1,4 +1,4 @@
-"""Two small JSONL corpora made from the running Python's standard library, for the README's data
+"""Two small JSONL corpora made from the running Python's standard library, for docs/data.md's
 examples: ``docstrings.jsonl`` (each module's and each top-level function's docstring: prose) and
 ``functions.jsonl`` (each top-level function's source: code), one document per line in the field
 ``text``. Deterministic for a given Python version.
@@ -44,6 +44,7 @@ def main() -> None:
     p.add_argument("--max-docs", type=int, default=4000)
     a = p.parse_args()
     prose, code = documents(a.max_docs)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
     for name, docs in (("docstrings", prose), ("functions", code)):
         path = Path(a.out) / f"{name}.jsonl"
         path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))

@@ -34,34 +34,34 @@ PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
 class ModelConfig:
     """Decoder-only Transformer shape (GPT / Llama style: RMSNorm, RoPE, GQA, SwiGLU or GELU)."""
 
-    vocab_size: int = 256
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    d_ff: int = 256
-    max_seq_len: int = 128
+    vocab_size: int = 256  # token ids; a trained BPE tokenizer gets this size
+    d_model: int = 64  # hidden size h
+    n_layers: int = 2  # Transformer blocks, run as one lax.scan
+    n_heads: int = 4  # query heads (split over `model`)
+    n_kv_heads: int = 4  # key / value heads (GQA when < n_heads)
+    d_ff: int = 256  # MLP hidden size
+    max_seq_len: int = 128  # longest sequence: RoPE table, eval window, decode cache
     head_dim: int = 0  # 0 = d_model // n_heads
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base
     # RoPE frequency scaling: "none", or "llama3" (Llama 3.1's piecewise rescaling of the low
     # frequencies by rope_scaling_factor between the low / high frequency factors, relative to
     # rope_original_max_len)
     rope_scaling: RopeScaling = "none"
-    rope_scaling_factor: float = 8.0
+    rope_scaling_factor: float = 8.0  # llama3 scaling only, as the next three
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
     qkv_bias: bool = False  # biases on the Q / K / V projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
-    tie_embeddings: bool = False
-    activation: Activation = "swiglu"
+    tie_embeddings: bool = False  # the output head reuses the embedding table
+    activation: Activation = "swiglu"  # MLP: SwiGLU (gate and up) or GELU
     # The embedding rows are padded to a multiple of vocab_pad_multiple x (tensor-parallel degree),
     # as Megatron-LM does; padded logits are masked, so padding never changes the loss.
     vocab_pad_multiple: int = 128
-    init_std: float = 0.02
-    param_dtype: DType = "float32"
-    compute_dtype: DType = "float32"
+    init_std: float = 0.02  # std of the normal initialiser
+    param_dtype: DType = "float32"  # dtype the parameters are stored in
+    compute_dtype: DType = "float32"  # dtype of matmuls and activations
     # jax.nn.dot_product_attention's implementation: "default" lets JAX choose (XLA's softmax(QK^T)V
     # today), "cudnn" is cuDNN's fused flash attention (NVIDIA GPUs only).
     attention_impl: AttentionImpl = "default"
@@ -70,11 +70,11 @@ class ModelConfig:
     # `n_experts` expert MLPs, each taking at most ceil(top_k x tokens x capacity_factor /
     # n_experts) tokens of a batch row (0 = dropless); the router's losses are added to the loss.
     n_experts: int = 0
-    top_k: int = 1
-    capacity_factor: float = 1.25
-    moe_every: int = 1
-    router_aux_loss_coef: float = 0.01
-    router_z_loss_coef: float = 0.0
+    top_k: int = 1  # experts per token
+    capacity_factor: float = 1.25  # 0 = dropless
+    moe_every: int = 1  # an MoE layer every this many layers
+    router_aux_loss_coef: float = 0.01  # Switch load-balancing loss
+    router_z_loss_coef: float = 0.0  # router z-loss
 
     @property
     def resolved_head_dim(self) -> int:
@@ -106,66 +106,66 @@ class ModelConfig:
 class ParallelConfig:
     """Parallel degrees over the mesh axes (one may be -1: inferred) and how the step is run."""
 
-    pipeline: int = 1
-    data: int = -1
-    fsdp: int = 1
-    context: int = 1
-    expert: int = 1
-    model: int = 1
+    pipeline: int = 1  # pipeline stages (axis `pipeline`)
+    data: int = -1  # data-parallel replicas (axis `data`)
+    fsdp: int = 1  # FSDP group: ZeRO-3 over `fsdp`
+    context: int = 1  # ring attention over `context`
+    expert: int = 1  # MoE experts split over `expert`
+    model: int = 1  # tensor parallelism (Megatron TP)
     # How many of each outer axis' degree spans hosts (DCN); the rest stays inside a host (ICI).
     dcn_pipeline: int = 1
-    dcn_data: int = 1
-    dcn_fsdp: int = 1
-    mode: Mode = "gspmd"
+    dcn_data: int = 1  # of `data`
+    dcn_fsdp: int = 1  # of `fsdp`
+    mode: Mode = "gspmd"  # gspmd: XLA places collectives; explicit: f / g in shard_map
     # Megatron sequence parallelism on the `model` axis: norms and residuals split along the sequence
     sequence_parallel: bool = False
     # How the sequence is laid out over `context` for ring attention: "zigzag" balances the causal
     # work (device i holds chunks i and 2cp-1-i), "contiguous" does not (device i holds chunk i).
     context_layout: ContextLayout = "zigzag"
-    zero_stage: int = 0
-    remat: Remat = "none"
+    zero_stage: int = 0  # ZeRO over data / fsdp: 0-3
+    remat: Remat = "none"  # what the backward recomputes
     # Pipeline parallelism over `pipeline` (train.microbatches micro-batches per step): the order
     # of passes (jaxtp/pipeline/schedules.py; "zb1": ZB-H1, backward split into input and weight gradient
     # passes), and for "interleaved" the number of model chunks (virtual stages) per rank.
     pipeline_schedule: PipelineSchedule = "1f1b"
-    virtual_stages: int = 1
+    virtual_stages: int = 1  # model chunks per rank (interleaved)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     batch_size: int = 8  # global, in sequences
-    seq_len: int = 64
-    seed: int = 0
-    steps: int = 200
-    microbatches: int = 1
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    seq_len: int = 64  # tokens per row
+    seed: int = 0  # parameter init and data order
+    steps: int = 200  # total; a resume trains up to it
+    microbatches: int = 1  # per step: accumulation / pipeline
+    lr: float = 3e-3  # peak learning rate (AdamW)
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr x this
+    warmup_steps: int = 20  # linear warmup from 0
+    weight_decay: float = 0.1  # AdamW's, not on norms / biases
+    grad_clip: float = 1.0  # global gradient-norm clip
     checkpoint_every: int = 100  # 0 = only at the end
-    keep_checkpoints: int = 3
-    log_every: int = 10
-    eval_every: int = 50
-    eval_batches: int = 4
+    keep_checkpoints: int = 3  # newest kept
+    log_every: int = 10  # steps per metrics record
+    eval_every: int = 50  # held-out eval at these log steps
+    eval_batches: int = 4  # held-out batches per eval
     prefetch: int = 1  # batches read and placed ahead on a background thread (0 = inline)
     checkpoint_overlap: Literal["auto", "on", "off"] = "auto"  # save beside next step (loop.py)
     out_dir: str = "runs/default"  # a preset's runs: runs/<preset> (get_preset)
     # Operations (run_guard.py, events.py): a step with no progress for this long stops the run
     # (a stuck peer must not hang a job); TensorBoard events; "START:END" jax.profiler traces.
     step_timeout_s: float = 1800.0
-    tensorboard: bool = True
-    profile_steps: str = ""
+    tensorboard: bool = True  # scalars in <out_dir>/tensorboard
+    profile_steps: str = ""  # e.g. 10:15 -> <out_dir>/profile
 
 
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # "" = the embedded default corpus (the Python standard library's sources)
-    tokenizer: Literal["byte", "bpe"] = "byte"
+    tokenizer: Literal["byte", "bpe"] = "byte"  # byte: 256 ids; bpe: see tokenizer_path
     # For "bpe": a HuggingFace tokenizer.json to load; "" = train a byte-level BPE of
     # model.vocab_size tokens on the corpus itself (cached beside the run in train.out_dir).
     tokenizer_path: str = ""
-    eval_fraction: float = 0.02
+    eval_fraction: float = 0.02  # held out
     packing: bool = True  # documents stay apart (segment ids); false: one continuous stream
     mixture: str = ""  # weighted sources instead of data.path: "a.jsonl:0.7,b.parquet:0.3"
     text_field: str = "text"  # the field / column holding the text in JSONL, Parquet, ArrayRecord
