@@ -10,7 +10,7 @@ import tempfile
 
 # LLVM at -O0 for the machine code of in-process compiles: XLA's HLO passes (sharding,
 # fusion, buffer assignment: what the census and memory tests read) run as always, compiles take
-# about half the time (tests/test_pipeline_model and test_census: 39 -> 22 s), and steps run
+# about half the time (tests/unit/step/test_pipeline_model and unit/inspect/test_census: 39 -> 22 s), and steps run
 # slower, which no test times (speed lives in benchmarks/). Subprocesses started with
 # jaxtp.testing.train_env drop XLA_FLAGS and compile at the default level.
 for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):

@@ -105,7 +105,7 @@ def test_run_dir_spellings(tmp_path, capsys):
 
 
 def test_import_and_export_hf_with_run_and_out(tmp_path, capsys):
-    # the older spellings (import-hf SRC DIR, export-hf DIR OUT) run in tests/test_hf.py
+    # the older spellings (import-hf SRC DIR, export-hf DIR OUT) run in tests/unit/hf/test_hf.py
     run, out = tmp_path / "run", tmp_path / "hf"
     assert cli.main(["import-hf", str(FIXTURES / "llama"), "--run", str(run),
                      "parallel.data=8"]) == 0
