@@ -9,7 +9,6 @@ field names are public interface and stay stable.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -376,10 +375,6 @@ def load(name: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Con
     return cfg
 
 
-# ----------------------------------------------------------------------------------------------
-# jaxtp.config(preset, overrides): this module is callable
-# ----------------------------------------------------------------------------------------------
-
 def configure(preset: str = "tiny", overrides=()) -> Config:
     """The preset with ``overrides`` applied: a mapping ``{"parallel.data": 2}`` or the CLI's
     ``["parallel.data=2"]``; checked as :func:`load` checks. ``jaxtp.config(...)`` calls this."""
@@ -388,13 +383,3 @@ def configure(preset: str = "tiny", overrides=()) -> Config:
                      for k, v in overrides.items()]
     return load(preset, list(overrides))
 
-
-class _CallableModule(types.ModuleType):
-    """``jaxtp.configs.schema`` is both this module (``config.load``, ``config.ModelConfig``) and the
-    public API's function: ``jaxtp.config("tiny", {"parallel.model": 4})``."""
-
-    def __call__(self, preset: str = "tiny", overrides=()) -> Config:
-        return configure(preset, overrides)
-
-
-sys.modules[__name__].__class__ = _CallableModule
