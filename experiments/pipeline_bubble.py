@@ -131,8 +131,8 @@ def measure(row: dict, n_layers: int, repeats: int) -> dict:
     compiled = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    params = eng.init_params()
-    batch = eng.shard_batch(testing.random_batch(cfg))
+    params = eng.layout.init_params()
+    batch = eng.layout.shard_batch(testing.random_batch(cfg))
     jax.block_until_ready(compiled(params, batch))  # warm-up
     times = []
     for _ in range(repeats):
@@ -177,7 +177,7 @@ def wall_rows() -> list[dict]:
                 cfg = _wall_cfg(w, name, m)
                 eng = engine.build_engine(cfg, jax.devices()[:WALL_P])
                 compiled = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile()
-                args = (eng.init_params(), eng.shard_batch(testing.random_batch(cfg)))
+                args = (eng.layout.init_params(), eng.layout.shard_batch(testing.random_batch(cfg)))
                 jax.block_until_ready(compiled(*args))  # warm-up
                 steps[name] = functools.partial(compiled, *args)
             times = {name: [] for name in steps}
@@ -243,7 +243,7 @@ def split_rows(repeats: int = 5) -> list[dict]:
                                    f"train.batch_size={b}"])
         eng = engine.build_engine(cfg, jax.devices()[:1])
         parts = pipelined_step._Parts(eng.layout, eng.region, manual=False)
-        blocks = eng.init_params()["blocks"]
+        blocks = eng.layout.init_params()["blocks"]
         rope = parts.rope(jnp.broadcast_to(jnp.arange(s), (b, s)))
         x = jax.random.normal(jax.random.key(0), (b, s, d))
         g = jax.random.normal(jax.random.key(1), (b, s, d))

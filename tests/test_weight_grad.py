@@ -23,7 +23,7 @@ def _stage():
     eng = engine.build_engine(cfg, jax.devices()[:1])
     parts = pipelined_step._Parts(eng.layout, eng.region, manual=False)
     rope = parts.rope(jnp.broadcast_to(jnp.arange(S), (B, S)))
-    return cfg, eng.init_params()["blocks"], (lambda pc, x: parts.stage(pc, x, rope))
+    return cfg, eng.layout.init_params()["blocks"], (lambda pc, x: parts.stage(pc, x, rope))
 
 
 def test_split_backward_equals_joint_and_hands_w_only_matmul_operands():
