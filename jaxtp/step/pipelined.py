@@ -51,10 +51,10 @@ from jaxtp.pipeline import (
     build_schedule,
     compile_schedule,
     pipeline_value_and_grad,
-    stores_residuals,
     vary_over,
     varying_axes,
 )
+from jaxtp.pipeline import stores_residuals as schedule_stores_residuals
 from jaxtp.step.layout import Layout
 from jaxtp.step.region import Region
 from jaxtp.step.token_mean import masked_sum, token_count
@@ -65,7 +65,7 @@ def stores_residuals(layout: Layout) -> bool:
     ``parallel.remat`` saves) or recomputes the stage from its input
     (:func:`jaxtp.pipeline.program.stores_residuals`: under ``remat=full`` and for GPipe)."""
     par = layout.cfg.parallel
-    return stores_residuals(par.pipeline_schedule, par.remat)
+    return schedule_stores_residuals(par.pipeline_schedule, par.remat)
 
 
 def program(layout: Layout) -> Program:
