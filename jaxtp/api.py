@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxtp.ckpt import Checkpointer, read_run_config, write_run_config
 from jaxtp.configs import CONTEXT, MODEL, Config, ConfigError, apply_overrides, validate_model
-from jaxtp.parallel import batch_shards, check_sequence
+from jaxtp.parallel import batch_shards, padded_seq_len
 from jaxtp.serve import Generator, SamplerArgs
 from jaxtp.step import Engine, build_engine
 from jaxtp.train import Trainer
@@ -180,14 +180,8 @@ class Model:
         b, s = batch["inputs"].shape
         lo, par = self.layout, self.cfg.parallel
         rows = -(-b // batch_shards(lo.degrees)) * batch_shards(lo.degrees)
-        seq = s
-        while True:
-            try:
-                check_sequence(seq, context=lo.degrees[CONTEXT], layout=par.context_layout,
-                               model=lo.degrees[MODEL], sequence_parallel=par.sequence_parallel)
-                break
-            except ConfigError:
-                seq += 1
+        seq = padded_seq_len(s, context=lo.degrees[CONTEXT], layout=par.context_layout,
+                             model=lo.degrees[MODEL], sequence_parallel=par.sequence_parallel)
         padded = {k: jax.device_put(np.pad(v, ((0, rows - b), (0, seq - s))), lo.batch_sharding)
                   for k, v in batch.items()}
         return self._compiled(kind)(self.params, padded)[:b, :s]
