@@ -129,10 +129,11 @@ def test_memory_prediction_matches_the_compiled_step():
     for over in VERIFY:
         cfg = config.load("tiny", over)
         p, t = cfg.parallel, cfg.train
-        lo = cost_model.Layout(data=p.data, fsdp=p.fsdp, model=p.model, zero_stage=p.zero_stage,
-                               remat=p.remat, microbatches=t.microbatches, pipeline=p.pipeline,
-                               pipeline_schedule=p.pipeline_schedule,
-                               virtual_stages=p.virtual_stages)
+        lo = cost_model.Candidate(data=p.data, fsdp=p.fsdp, model=p.model,
+                                  zero_stage=p.zero_stage, remat=p.remat,
+                                  microbatches=t.microbatches, pipeline=p.pipeline,
+                                  pipeline_schedule=p.pipeline_schedule,
+                                  virtual_stages=p.virtual_stages)
         ests.append((cfg, cost_model.Estimate(layout=lo, memory={}, time={}, n_devices=8,
                                         peak_flops=1.0, model_flops=1.0)))
     for cfg, est in ests:
@@ -190,7 +191,7 @@ def test_activation_model_is_what_autodiff_saves(extra, remats):
         if remat == "none" and s.compute_bytes != s.param_bytes:  # compute-dtype weight copies
             want += s.compute_bytes * (s.layer_params(1, 1) - 2 * s.d_model)
         assert abs(want / per_layer - 1) < 0.02, (remat, want, per_layer)
-        predicted = memory_model.memory(s, cost_model.Layout(remat=remat))["activations"]
+        predicted = memory_model.memory(s, cost_model.Candidate(remat=remat))["activations"]
         assert abs(predicted / total - 1) < 0.03, (remat, predicted, total)
 
 

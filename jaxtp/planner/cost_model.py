@@ -9,9 +9,10 @@ layouts that fit in memory are ranked by step time. The model follows Narayanan 
 Korthikanti et al. 2022 (arXiv 2205.05198: activation memory per layer sbh(34 + 5as/h), TP / SP /
 selective / full recompute) and ZeRO (arXiv 1910.02054: 16 Psi of state split by stage).
 
-This module holds what the two halves read and what they produce: :class:`Layout`, the model's
-:class:`Shape` (its parameters and FLOPs per layer) and the :class:`Estimate` of one layout. The
-memory model is :mod:`jaxtp.planner.memory_model`, the time model :mod:`jaxtp.planner.time_model`.
+This module holds what the two halves read and what they produce: the :class:`Candidate` layout,
+the model's :class:`Shape` (its parameters and FLOPs per layer) and the :class:`Estimate` of one
+layout. The memory model is :mod:`jaxtp.planner.memory_model`, the time model
+:mod:`jaxtp.planner.time_model`.
 
 How well it predicts (tests/test_plan.py, on ``tiny`` compiled for 8 CPU devices): the compiled
 step's arguments (parameters + batch) and outputs (gradients) to well under 1%; the per-layer
@@ -37,9 +38,9 @@ REMATS = ("none", "selective", "full")  # fastest first
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One parallel configuration; field names are the config's ``parallel.*`` names (and
-    ``microbatches`` from ``train``)."""
+class Candidate:
+    """One parallel layout the planner weighs (no mesh, no model: the choices only); field names
+    are the config's ``parallel.*`` names (and ``microbatches`` from ``train``)."""
 
     data: int = 1
     fsdp: int = 1
@@ -148,7 +149,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Estimate:
-    layout: Layout
+    layout: Candidate
     memory: dict[str, float]
     time: dict[str, float]
     n_devices: int
