@@ -15,6 +15,7 @@ from jaxtp.parallel import collectives
 from jaxtp.inspect import hlo
 from jaxtp.pipeline import schedules
 from jaxtp import pipeline as pl
+from jaxtp.configs import PIPELINE_SCHEDULES
 from jaxtp.configs.schema import ParallelConfig
 from jaxtp.parallel.mesh import build_mesh
 from jaxtp.pipeline.schedules import ScheduleError
@@ -72,7 +73,7 @@ def _mesh(p, **others):
 
 
 CASES = [(name, p, m, 2 if name == "interleaved" else 1)
-         for name in schedules.SCHEDULES
+         for name in PIPELINE_SCHEDULES
          for p in (2, 4) for m in (p, 2 * p)]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxtp.configs import AXES
 from jaxtp.configs import schema as config
 from jaxtp.planner import cost_model
 from jaxtp.step import engine
@@ -216,7 +217,7 @@ def test_cli_json_parses_and_is_sorted(tmp_path):
                 "pipeline_schedule", "virtual_stages", "microbatches", "memory_bytes",
                 "step_time_s", "mfu", "exposed_comm_fraction"} <= set(row)
         assert row["memory_bytes"] <= 0.85 * 80e9 and 0 < row["mfu"] < 1
-        assert math.prod(row[a] for a in cost_model.AXES) == 64
+        assert math.prod(row[a] for a in AXES) == 64
 
 
 def test_cli_pins_and_errors(capsys):

@@ -26,6 +26,10 @@ ContextLayout = Literal["zigzag", "contiguous"]
 RopeScaling = Literal["none", "llama3"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
 
+# the names each of these fields accepts, for the code that branches on them
+CONTEXT_LAYOUTS: tuple[str, ...] = typing.get_args(ContextLayout)
+PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
+
 
 
 

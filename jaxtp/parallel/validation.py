@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from jaxtp.configs import (
     CONTEXT,
+    CONTEXT_LAYOUTS,
     EXPERT,
     MODEL,
     PIPELINE,
@@ -29,8 +30,6 @@ from jaxtp.configs import (
     validate_model,
 )
 from jaxtp.pipeline import ScheduleError, check_pipeline
-
-CONTEXT_LAYOUTS = ("zigzag", "contiguous")
 
 
 def validate(cfg: Config, degrees: Mapping[str, int], *, platform: str | None = None,

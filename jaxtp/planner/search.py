@@ -17,10 +17,10 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from jaxtp.configs import BATCH_AXES, Config, ConfigError
+from jaxtp.configs import AXES, BATCH_AXES, Config, ConfigError
 from jaxtp.parallel import validate
 from jaxtp.pipeline import stores_residuals
-from jaxtp.planner.cost_model import AXES, REMATS, SCHEDULES, Candidate, Estimate, Shape
+from jaxtp.planner.cost_model import REMATS, SCHEDULES, Candidate, Estimate, Shape
 from jaxtp.planner.hardware import Hardware
 from jaxtp.planner.memory_model import (
     batch_expert,

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 
+from jaxtp.configs import AXES
 from jaxtp.pipeline import lockstep_factor, stores_residuals
-from jaxtp.planner.cost_model import AXES, Candidate, Shape
+from jaxtp.planner.cost_model import Candidate, Shape
 from jaxtp.planner.hardware import Hardware, Link
 from jaxtp.planner.memory_model import (
     effective_remat,
