@@ -142,7 +142,7 @@ def test_buffer_slots(m):
     def prog(name, v=1, mb=m, residuals=True):
         return pl.compile_schedule(schedules.build_schedule(name, p, mb, v), residuals=residuals)
     assert (prog("gpipe").res_slots, prog("gpipe").act_slots) == (m, 1)
-    # 1F1B: 2p - 2 on rank 0 keep the lock-step ticks busy (pipeline_program.in_flight_cap)
+    # 1F1B: 2p - 2 on rank 0 keep the lock-step ticks busy (pipeline.program.in_flight_cap)
     assert (prog("1f1b").res_slots, prog("1f1b").act_slots) == (min(2 * p - 2, m), 1)
     assert prog("gpipe", residuals=False).act_slots == m
     assert prog("1f1b", residuals=False).act_slots == min(2 * p - 3, m)  # rank 1: stage 0 reads
