@@ -24,9 +24,8 @@ from jaxtp.parallel import LocalOps
 from jaxtp.step import pipelined as pipelined_step
 from jaxtp.step import plain as step
 from jaxtp.step.layout import Batch, Layout, abstract_model, build_layout
-from jaxtp.step.plain import moe_metrics, token_losses_and_aux
+from jaxtp.step.plain import masked_sum, moe_metrics, token_count, token_losses_and_aux
 from jaxtp.step.region import Region, region_for
-from jaxtp.step.token_mean import masked_sum, token_count
 
 
 class Engine:

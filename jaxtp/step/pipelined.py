@@ -56,8 +56,8 @@ from jaxtp.pipeline import (
 )
 from jaxtp.pipeline import stores_residuals as schedule_stores_residuals
 from jaxtp.step.layout import Layout
+from jaxtp.step.plain import masked_sum, token_count
 from jaxtp.step.region import Region
-from jaxtp.step.token_mean import masked_sum, token_count
 
 
 def stores_residuals(layout: Layout) -> bool:
