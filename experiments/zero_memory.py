@@ -111,8 +111,9 @@ def measure(preset: str, n_d: int, stage: int) -> dict:
     mem = compiled.memory_analysis()
     batch_bytes = sum(math.prod(b.sharding.shard_shape(b.shape)) * b.dtype.itemsize
                       for b in batch.values())
-    psi = sum(math.prod(a.shape) for a in jax.tree.leaves(eng.layout.abstract_params))
-    psi_layers = sum(math.prod(a.shape) for a in jax.tree.leaves(eng.layout.abstract_params["blocks"]))
+    abstract = eng.layout.abstract_params
+    psi = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
+    psi_layers = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract["blocks"]))
     ops = [o for o in hlo.collectives(compiled.as_text(), mesh_shape(eng.layout.mesh))
            if o.axes == ("data",)]
     by_kind = {k: sum(o.total_bytes for o in ops if o.kind == k) for k in hlo.KINDS}

@@ -12,8 +12,8 @@ import importlib
 
 __version__ = "0.1.0"
 _FROM = {"Config": "jaxtp.api", "ConfigError": "jaxtp.api", "Model": "jaxtp.api",
-         "Trainer": "jaxtp.api", "run_config": "jaxtp.api", "prepare_data": "jaxtp.data.prepare_data",
-         "config": "jaxtp.configs"}
+         "Trainer": "jaxtp.api", "run_config": "jaxtp.api",
+         "prepare_data": "jaxtp.data.prepare_data", "config": "jaxtp.configs"}
 _DEFINED_AS = {"prepare_data": "prepare", "config": "configure"}
 _MODULES = {"data": "jaxtp.data"}
 __all__ = ["Config", "ConfigError", "Model", "Trainer", "config", "data", "prepare_data",

@@ -141,7 +141,8 @@ def test_errors_before_compile(overrides, match):
 def test_param_count_counts_the_experts(every):
     cfg = config.load("tiny", [*MOE, f"model.moe_every={every}", "model.n_layers=4"])
     eng = engine.build_engine(cfg)  # vocab 256 needs no padding at TP = 1
-    assert sum(v.size for v in jax.tree.leaves(eng.layout.abstract_params)) == cfg.model.param_count()
+    n_params = sum(v.size for v in jax.tree.leaves(eng.layout.abstract_params))
+    assert n_params == cfg.model.param_count()
     dense = config.load("tiny", ["model.n_layers=4"]).model.param_count()
     mlp = 3 * cfg.model.d_model * cfg.model.d_ff
     moe_layers = 4 // every

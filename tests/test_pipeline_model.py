@@ -160,7 +160,8 @@ def test_trained_step_equals_unpipelined_and_checkpoints_move_between_layouts(tm
     testing.assert_trees_close(natural.params, jax.tree.map(np.asarray, results["flat"][1].params),
                                rtol=1e-4, atol=1e-5)  # a peak-lr Adam step: see test_zero
 
-    ckpt = Checkpointer(tmp_path, keep=1, cfg=piped, layer_order=trainer.engine.layout.natural_layers)
+    ckpt = Checkpointer(tmp_path, keep=1, cfg=piped,
+                        layer_order=trainer.engine.layout.natural_layers)
     ckpt.save(1, state, data_state={"step": 1})
     ckpt.close()
     for target, want in ((Trainer(_cfg(*base, "parallel.data=8")), natural),
@@ -200,4 +201,5 @@ def test_each_rank_holds_its_stage_of_the_layers():
                  jax.tree.leaves(eng.layout.param_shardings["blocks"]))
     for var, sharding in blocks:
         assert sharding.shard_shape(var.shape) == (var.shape[0] // 4, *var.shape[1:])
-    assert all("pipeline" not in str(s.spec) for s in jax.tree.leaves(eng.layout.param_shardings["embed"]))
+    embed = jax.tree.leaves(eng.layout.param_shardings["embed"])
+    assert all("pipeline" not in str(s.spec) for s in embed)

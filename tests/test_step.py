@@ -90,6 +90,7 @@ def test_pipelined_eval_census_is_one_forward(mode):
     assert not [op for op in ops if "data" in op.axes and op.bytes >= act]  # no activation sync
     ref = engine.reference_params(cfg)
     batch = testing.random_batch(cfg)
-    loss = eng.loss()(eng.layout.shard_params(testing.pad_params(ref, eng)), eng.layout.shard_batch(batch))
+    loss = eng.loss()(eng.layout.shard_params(testing.pad_params(ref, eng)),
+                      eng.layout.shard_batch(batch))
     np.testing.assert_allclose(float(loss), float(engine.reference_loss_fn(cfg)(ref, batch)),
                                rtol=1e-5)

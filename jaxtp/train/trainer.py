@@ -79,7 +79,8 @@ class Trainer:
             struct = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
             return a.replace(struct) if isinstance(a, nnx.Variable) else struct
 
-        opt = jax.tree.map(with_sharding, jax.eval_shape(self.tx.init, self.engine.layout.abstract_params),
+        opt = jax.tree.map(with_sharding,
+                           jax.eval_shape(self.tx.init, self.engine.layout.abstract_params),
                            self.opt_shardings(), is_leaf=lambda x: isinstance(x, nnx.Variable))
         return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32,
                                                             sharding=self._replicated))
