@@ -45,7 +45,7 @@ def worker(layout: str, steps: int) -> None:
     cfg = config.load("tiny", [*MODEL, *LAYOUTS[layout]])
     trainer = Trainer(cfg)
     state = trainer.init_state()
-    batch = trainer.engine.shard_batch(testing.random_batch(cfg))
+    batch = trainer.engine.layout.shard_batch(testing.random_batch(cfg))
     step = trainer.step_fn(state)
     for _ in range(2):  # compile, then one step that settles the allocator
         state, metrics = step(state, batch)

@@ -93,15 +93,16 @@ def dp_sync_fn(engine):
     over, and an elementwise pass over the same per-device arrays for scale; ``None`` when no
     axis replicates the parameters. Inputs carry a leading axis over the data-parallel ranks so
     that every rank holds its own values, as before the real sync."""
-    axes = tuple(a for a in ("data", "fsdp", "context") if engine.degrees[a] > 1)
-    if not axes or engine.zero.grads:  # ZeRO >= 2 reduce-scatters instead; not measured here
+    lo = engine.layout
+    axes = tuple(a for a in ("data", "fsdp", "context") if lo.degrees[a] > 1)
+    if not axes or lo.zero.grads:  # ZeRO >= 2 reduce-scatters instead; not measured here
         return None
-    n = math.prod(engine.degrees[a] for a in axes)
-    specs = jax.tree.leaves(engine.grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    shapes = [v.shape for v in jax.tree.leaves(engine.abstract_params)]
+    n = math.prod(lo.degrees[a] for a in axes)
+    specs = jax.tree.leaves(lo.grad_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    shapes = [v.shape for v in jax.tree.leaves(lo.abstract_params)]
     in_specs = [PartitionSpec(axes, *sp) for sp in specs]
     grads = [jax.device_put(jnp.full((n, *shape), 1e-3, jnp.float32),
-                            NamedSharding(engine.mesh, sp)) for shape, sp in zip(shapes, in_specs)]
+                            NamedSharding(lo.mesh, sp)) for shape, sp in zip(shapes, in_specs)]
 
     def body(*gs):
         return [jax.lax.psum(g, axes) for g in gs]
@@ -109,7 +110,7 @@ def dp_sync_fn(engine):
     def scale(*gs):  # the reference: one elementwise pass over the same per-device bytes
         return [g * 1.0001 for g in gs]
 
-    sync, ref = (jax.jit(jax.shard_map(f, mesh=engine.mesh, in_specs=tuple(in_specs),
+    sync, ref = (jax.jit(jax.shard_map(f, mesh=lo.mesh, in_specs=tuple(in_specs),
                                        out_specs=in_specs, check_vma=False))
                  for f in (body, scale))
     return (lambda: sync(*grads)), (lambda: ref(*grads))

@@ -83,7 +83,7 @@ def measure(tp: int, mode: str) -> dict:
     eng = engine.build_engine(c)
     b_local = t.batch_size // (N_DEVICES // tp)
     bsh = b_local * t.seq_len * m.d_model * BYTES if tp > 1 else 0
-    hd, vp = m.resolved_head_dim, eng.padded_vocab
+    hd, vp = m.resolved_head_dim, eng.layout.padded_vocab
     p_tp = 2 * vp * m.d_model + m.n_layers * (
         m.d_model * hd * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.d_model * m.d_ff)
     p_rep = (2 * m.n_layers + 1) * m.d_model

@@ -54,7 +54,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # no
 from jaxtp.inspect import hlo  # noqa: E402
 from jaxtp.parallel.execution import ExplicitOps, GSPMDOps  # noqa: E402
 from jaxtp.layers import moe  # noqa: E402
-from jaxtp.parallel.mesh import AXES  # noqa: E402
+from jaxtp.configs import AXES  # noqa: E402
 from jaxtp.parallel.sharding import Rules, param_specs  # noqa: E402
 
 FACTORS = (0.5, 1.0, 1.25, 1.5, 2.0)

@@ -131,8 +131,8 @@ def measure(row: dict, n_layers: int, repeats: int) -> dict:
     compiled = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    params = eng.init_params()
-    batch = eng.shard_batch(testing.random_batch(cfg))
+    params = eng.layout.init_params()
+    batch = eng.layout.shard_batch(testing.random_batch(cfg))
     jax.block_until_ready(compiled(params, batch))  # warm-up
     times = []
     for _ in range(repeats):
@@ -177,7 +177,7 @@ def wall_rows() -> list[dict]:
                 cfg = _wall_cfg(w, name, m)
                 eng = engine.build_engine(cfg, jax.devices()[:WALL_P])
                 compiled = eng.loss_and_grad().lower(*eng.abstract_inputs()).compile()
-                args = (eng.init_params(), eng.shard_batch(testing.random_batch(cfg)))
+                args = (eng.layout.init_params(), eng.layout.shard_batch(testing.random_batch(cfg)))
                 jax.block_until_ready(compiled(*args))  # warm-up
                 steps[name] = functools.partial(compiled, *args)
             times = {name: [] for name in steps}
@@ -222,7 +222,7 @@ def split_rows(repeats: int = 5) -> list[dict]:
     B (input gradient, keeping what W needs) and W (weight gradients)."""
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from jaxtp.pipeline import stage_residuals  # noqa: PLC0415
+    from jaxtp.pipeline import runtime  # noqa: PLC0415
     from jaxtp.pipeline import weight_grad  # noqa: PLC0415
 
     def timed(f, *args):
@@ -243,7 +243,7 @@ def split_rows(repeats: int = 5) -> list[dict]:
                                    f"train.batch_size={b}"])
         eng = engine.build_engine(cfg, jax.devices()[:1])
         parts = pipelined_step._Parts(eng.layout, eng.region, manual=False)
-        blocks = eng.init_params()["blocks"]
+        blocks = eng.layout.init_params()["blocks"]
         rope = parts.rope(jnp.broadcast_to(jnp.arange(s), (b, s)))
         x = jax.random.normal(jax.random.key(0), (b, s, d))
         g = jax.random.normal(jax.random.key(1), (b, s, d))
@@ -253,7 +253,7 @@ def split_rows(repeats: int = 5) -> list[dict]:
 
         with weight_grad.splitting(True):
             _, vjp = jax.vjp(stage, blocks, x)
-        recipe, stored = stage_residuals.split_vjp(vjp, blocks)
+        recipe, stored = runtime.split_vjp(vjp, blocks)
         leaves, vjp_def = jax.tree_util.tree_flatten(vjp)
         bw = weight_grad.split(
             lambda lv, g: jax.tree.leaves(jax.tree_util.tree_unflatten(vjp_def, lv)(g)),
@@ -263,13 +263,13 @@ def split_rows(repeats: int = 5) -> list[dict]:
         def forward(pc, x):
             with weight_grad.splitting(True):
                 y, vjp = jax.vjp(stage, pc, x)
-            return y, stage_residuals.split_vjp(vjp, pc)[1]
+            return y, runtime.split_vjp(vjp, pc)[1]
 
         def joint(pc, kept, g):
-            return stage_residuals.join_vjp(recipe, pc, kept)(g)
+            return runtime.join_vjp(recipe, pc, kept)(g)
 
         def backward_b(pc, kept, g):
-            outs, wres = weight_grad.run_known(bw, stage_residuals.vjp_leaves(recipe, pc, kept),
+            outs, wres = weight_grad.run_known(bw, runtime.vjp_leaves(recipe, pc, kept),
                                                g)
             return outs[-1], [o for o in outs[:-1] if o is not None], wres
 

@@ -111,9 +111,10 @@ def measure(preset: str, n_d: int, stage: int) -> dict:
     mem = compiled.memory_analysis()
     batch_bytes = sum(math.prod(b.sharding.shard_shape(b.shape)) * b.dtype.itemsize
                       for b in batch.values())
-    psi = sum(math.prod(a.shape) for a in jax.tree.leaves(eng.abstract_params))
-    psi_layers = sum(math.prod(a.shape) for a in jax.tree.leaves(eng.abstract_params["blocks"]))
-    ops = [o for o in hlo.collectives(compiled.as_text(), mesh_shape(eng.mesh))
+    abstract = eng.layout.abstract_params
+    psi = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
+    psi_layers = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract["blocks"]))
+    ops = [o for o in hlo.collectives(compiled.as_text(), mesh_shape(eng.layout.mesh))
            if o.axes == ("data",)]
     by_kind = {k: sum(o.total_bytes for o in ops if o.kind == k) for k in hlo.KINDS}
     comm_elems = (2 * by_kind["all-reduce"] + by_kind["reduce-scatter"]
@@ -123,7 +124,7 @@ def measure(preset: str, n_d: int, stage: int) -> dict:
         "preset": preset, "n_d": n_d, "stage": stage, "psi": psi, "compile_s": compile_s,
         "persistent": mem.argument_size_in_bytes - batch_bytes,
         "persistent_formula": formula["params"] + formula["opt"],
-        "grads": inspect.local_bytes(eng, eng.grad_shardings),
+        "grads": inspect.local_bytes(eng, eng.layout.grad_shardings),
         "grads_formula": formula["grads"],
         "temp": mem.temp_size_in_bytes,
         "comm_bytes": by_kind, "comm_psi": comm_elems / psi,

@@ -1,7 +1,7 @@
 """jaxtp: Megatron-style tensor parallelism in JAX, composed with the other parallelisms.
 
-The public API (the README's "Python API" section): ``jaxtp.config(preset, overrides)`` (the
-:mod:`jaxtp.configs.schema` module, made callable), :class:`Model`, :class:`Trainer`, ``jaxtp.data.loaders``,
+The public API (the README's "Python API" section): ``jaxtp.config(preset, overrides)``
+(:func:`jaxtp.configs.configure`), :class:`Model`, :class:`Trainer`, ``jaxtp.data.loaders``,
 ``jaxtp.prepare_data``, and ``jaxtp.use_cpu_devices(n)`` (n simulated CPU devices on a host
 without accelerators; call it before anything touches JAX).
 
@@ -13,9 +13,11 @@ import importlib
 
 __version__ = "0.1.0"
 _FROM = {"Config": "jaxtp.api", "ConfigError": "jaxtp.api", "Model": "jaxtp.api",
-         "Trainer": "jaxtp.api", "run_config": "jaxtp.api", "prepare_data": "jaxtp.data.prepare_data",
+         "Trainer": "jaxtp.api", "run_config": "jaxtp.api",
+         "prepare_data": "jaxtp.data.prepare_data", "config": "jaxtp.configs",
          "use_cpu_devices": "jaxtp.parallel"}
-_MODULES = {"config": "jaxtp.configs.schema", "data": "jaxtp.data"}
+_DEFINED_AS = {"prepare_data": "prepare", "config": "configure"}
+_MODULES = {"data": "jaxtp.data"}
 __all__ = ["Config", "ConfigError", "Model", "Trainer", "config", "data", "prepare_data",
            "run_config", "use_cpu_devices"]
 
@@ -25,7 +27,7 @@ def __getattr__(name: str):
         return importlib.import_module(_MODULES[name])
     if name in _FROM:
         module = importlib.import_module(_FROM[name])
-        value = getattr(module, "prepare" if name == "prepare_data" else name)
+        value = getattr(module, _DEFINED_AS.get(name, name))
         globals()[name] = value
         return value
     raise AttributeError(f"module 'jaxtp' has no attribute {name!r}")

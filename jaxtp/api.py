@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxtp.ckpt import Checkpointer, read_run_config, write_run_config
 from jaxtp.configs import CONTEXT, MODEL, Config, ConfigError, apply_overrides, validate_model
-from jaxtp.parallel import batch_shards, check_sequence
+from jaxtp.parallel import batch_shards, padded_seq_len
 from jaxtp.serve import Generator, SamplerArgs
 from jaxtp.step import Engine, build_engine
 from jaxtp.train import Trainer
@@ -67,13 +67,19 @@ class Model:
     """
 
     def __init__(self, cfg: Config, *, seed: int | None = None, params: nnx.State | None = None,
-                 devices=None):
-        self.cfg = cfg
-        self.engine: Engine = build_engine(cfg, devices, training=False)
-        if params is None:
-            self.params = self.engine.layout.init_params(seed)
+                 devices=None, _placed: tuple[Engine, nnx.State] | None = None):
+        # _placed: (engine, params already in its shardings and layer order), from the loaders
+        if _placed is None:
+            engine = build_engine(cfg, devices, training=False)
+            if params is None:
+                params = engine.layout.init_params(seed)
+            else:
+                params = engine.layout.shard_params(_pad_vocab(params, engine))
         else:
-            self.params = self.engine.layout.shard_params(_pad_vocab(params, self.engine))
+            engine, params = _placed
+        self.cfg = cfg
+        self.engine: Engine = engine
+        self.params = params
         self._fns: dict[str, object] = {}
 
     @classmethod
@@ -82,17 +88,15 @@ class Model:
         """The parameters of a run's latest (or ``step``'s) checkpoint, on the run's layout or
         another one given in ``overrides``. Reads the parameters only, never the optimizer."""
         cfg = run_config(run_dir, overrides)
-        model = cls.__new__(cls)
-        model.cfg, model._fns = cfg, {}
-        model.engine = build_engine(cfg, devices, training=False)
-        layout = model.engine.layout
+        engine = build_engine(cfg, devices, training=False)
+        layout = engine.layout
         ckpt = Checkpointer(Path(run_dir) / "checkpoints", keep=1, cfg=cfg,
                             layer_order=layout.natural_layers)
         try:
-            model.params = ckpt.restore_params(step, like=layout.abstract_params_sharded())
+            params = ckpt.restore_params(step, like=layout.abstract_params_sharded())
         finally:
             ckpt.close()
-        return model
+        return cls(cfg, _placed=(engine, params))
 
     @classmethod
     def from_hf(cls, path: str | Path, overrides: Mapping[str, object] | Sequence[str] = (),
@@ -106,11 +110,8 @@ class Model:
             overrides = [f"{k}={_text(v)}" for k, v in overrides.items()]
         cfg = apply_overrides(cfg, list(overrides))
         validate_model(cfg.model)
-        model = cls.__new__(cls)
-        model.cfg, model._fns = cfg, {}
-        model.engine = build_engine(cfg, devices, training=False)
-        model.params = load_params(path, model.engine.layout)
-        return model
+        engine = build_engine(cfg, devices, training=False)
+        return cls(cfg, _placed=(engine, load_params(path, engine.layout)))
 
     def save_hf(self, path: str | Path) -> Path:
         """Write a Hugging Face directory ``transformers.AutoModelForCausalLM`` loads: config.json
@@ -180,14 +181,8 @@ class Model:
         b, s = batch["inputs"].shape
         lo, par = self.layout, self.cfg.parallel
         rows = -(-b // batch_shards(lo.degrees)) * batch_shards(lo.degrees)
-        seq = s
-        while True:
-            try:
-                check_sequence(seq, context=lo.degrees[CONTEXT], layout=par.context_layout,
-                               model=lo.degrees[MODEL], sequence_parallel=par.sequence_parallel)
-                break
-            except ConfigError:
-                seq += 1
+        seq = padded_seq_len(s, context=lo.degrees[CONTEXT], layout=par.context_layout,
+                             model=lo.degrees[MODEL], sequence_parallel=par.sequence_parallel)
         padded = {k: jax.device_put(np.pad(v, ((0, rows - b), (0, seq - s))), lo.batch_sharding)
                   for k, v in batch.items()}
         return self._compiled(kind)(self.params, padded)[:b, :s]

@@ -4,7 +4,7 @@ Typical use (tests, notebooks)::
 
     eng = engine.build_engine(cfg)                       # a mesh over the 8 simulated devices
     ref = engine.reference_params(cfg)            # unsharded, vocab padded for TP=1
-    params = eng.shard_params(pad_params(ref, eng))
+    params = eng.layout.shard_params(pad_params(ref, eng))
     assert_close(eng.loss_and_grad()(params, batch), reference_loss_and_grad(cfg, ref, batch))
 """
 
@@ -37,7 +37,7 @@ def pad_params(reference: nnx.State, engine: Engine) -> nnx.State:
     def pad(r, e):
         r = np.asarray(r)
         return jnp.asarray(np.pad(r, [(0, es - rs) for rs, es in zip(r.shape, e.shape)]))
-    return jax.tree.map(pad, reference, engine.abstract_params)
+    return jax.tree.map(pad, reference, engine.layout.abstract_params)
 
 
 def unpad(tree, like):
@@ -81,10 +81,10 @@ def assert_matches_reference(cfg: Config, *, rtol: float, atol: float, seed: int
     ref_params = _reference_params(cfg)
     batch = random_batch(cfg, seed)
     ref_loss, ref_grads = reference_loss_and_grad(cfg, ref_params, batch)
-    params = eng.shard_params(pad_params(ref_params, eng))
-    sharded_batch = eng.shard_batch(batch)
+    params = eng.layout.shard_params(pad_params(ref_params, eng))
+    sharded_batch = eng.layout.shard_batch(batch)
     loss, grads = eng.loss_and_grad()(params, sharded_batch)
-    grads = eng.natural_layers(grads)  # interleaved pipelines store their layers rank-major
+    grads = eng.layout.natural_layers(grads)  # interleaved pipelines store their layers rank-major
     np.testing.assert_allclose(loss, ref_loss, rtol=rtol)
     assert_trees_close(unpad(grads, ref_grads), ref_grads, rtol=rtol, atol=atol)
     return eng, params, sharded_batch, ref_loss, grads
@@ -128,7 +128,7 @@ def saved_activation_bytes(cfg: Config, devices=None) -> int:
 def assert_restores(directory, step: int, trainer, want, *, layer_order=None) -> None:
     """The checkpoint ``step`` under ``directory`` restores onto ``trainer``'s layout in exactly
     the shardings ``trainer.abstract_state()`` asks for, and bit-equal to ``want`` (host arrays
-    in the state's tree order). ``layer_order``: the target's ``Engine.natural_layers`` when its
+    in the state's tree order). ``layer_order``: the target's ``Layout.natural_layers`` when its
     layers are stored in pipeline order."""
     from jaxtp.ckpt import Checkpointer  # orbax is only needed here
 

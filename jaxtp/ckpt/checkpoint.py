@@ -107,7 +107,7 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int, cfg: Config,
                  layer_order: Callable | None = None):
         """``layer_order(tree, inverse=False)``: the state with its stacked layers in natural
-        order (``inverse``: back), e.g. :meth:`jaxtp.step.engine.Engine.natural_layers`; checkpoints
+        order (``inverse``: back), e.g. :meth:`jaxtp.step.layout.Layout.natural_layers`; checkpoints
         always hold layer ``i`` at index ``i``, whatever the pipeline layout that wrote them."""
         if keep < 1:
             raise ConfigError(f"train.keep_checkpoints={keep} must be at least 1")

@@ -1,6 +1,6 @@
 """``jaxtp plan``: the command line over :mod:`jaxtp.planner.search`, and the planner's report.
 
-Its ``key=value`` overrides are split three ways (:func:`split_overrides`): ``parallel.<Layout
+Its ``key=value`` overrides are split three ways (:func:`split_overrides`): ``parallel.<Candidate
 field>`` and ``train.microbatches`` pin that choice in every layout, ``hardware.*`` change the
 hardware preset, the rest change the config. The ranked layouts print as a table
 (:func:`format_plan`: memory, step time, MFU, exposed communication, and "runs here": whether
@@ -14,7 +14,7 @@ import dataclasses
 
 from jaxtp.configs import AXES, ConfigError
 from jaxtp.inspect import verify
-from jaxtp.planner import Estimate, Layout, SearchSpace, Shape, plan
+from jaxtp.planner import Candidate, Estimate, SearchSpace, Shape, plan
 
 
 def _gib(x: float) -> str:
@@ -24,7 +24,7 @@ def _gib(x: float) -> str:
     return f"{x:.0f} B"
 
 
-def _layout_text(lo: Layout) -> str:
+def _layout_text(lo: Candidate) -> str:
     parts = [f"{a}={getattr(lo, a)}" for a in AXES if getattr(lo, a) > 1] or ["1 device"]
     if lo.pipeline > 1:
         parts.append(lo.pipeline_schedule + (f"(v={lo.virtual_stages})"
@@ -80,10 +80,10 @@ def format_verify(rows: list[dict]) -> str:
 
 
 def split_overrides(overrides: list[str]) -> tuple[list[str], list[str], tuple]:
-    """(config overrides, ``hardware.*`` overrides, pins): ``parallel.<Layout field>=V`` and
+    """(config overrides, ``hardware.*`` overrides, pins): ``parallel.<Candidate field>=V`` and
     ``train.microbatches=V`` pin that field of every layout (a degree of -1 pins nothing)."""
     config, hardware, pins = [], [], []
-    types = {f.name: type(f.default) for f in dataclasses.fields(Layout)}
+    types = {f.name: type(f.default) for f in dataclasses.fields(Candidate)}
     for item in overrides:
         key, _, text = item.partition("=")
         key = key.strip().lstrip("-")

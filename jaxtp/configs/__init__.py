@@ -28,6 +28,8 @@ from jaxtp.configs.check_values import (
 )
 from jaxtp.configs.errors import ConfigError
 from jaxtp.configs.schema import (
+    CONTEXT_LAYOUTS,
+    PIPELINE_SCHEDULES,
     PRESETS,
     Config,
     DataConfig,
@@ -42,10 +44,10 @@ from jaxtp.configs.schema import (
 )
 
 __all__ = [
-    "AXES", "BATCH_AXES", "CONTEXT", "Config", "ConfigError", "DATA", "DataConfig", "EXPERT",
-    "FSDP", "MODEL", "ModelConfig", "PIPELINE", "PRESETS", "ParallelConfig", "TP_AXIS",
-    "TrainConfig", "ZERO_AXES", "apply_overrides", "check_devices", "check_eval_split",
-    "check_hardware_file", "check_run_files", "configure", "entry_axes", "get_preset", "load",
-    "parse_profile_steps", "spec_axes", "token_axes", "valid_keys", "validate_model",
-    "validate_settings"
+    "AXES", "BATCH_AXES", "CONTEXT", "CONTEXT_LAYOUTS", "Config", "ConfigError", "DATA",
+    "DataConfig", "EXPERT", "FSDP", "MODEL", "ModelConfig", "PIPELINE", "PIPELINE_SCHEDULES",
+    "PRESETS", "ParallelConfig", "TP_AXIS", "TrainConfig", "ZERO_AXES", "apply_overrides",
+    "check_devices", "check_eval_split", "check_hardware_file", "check_run_files", "configure",
+    "entry_axes", "get_preset", "load", "parse_profile_steps", "spec_axes", "token_axes",
+    "valid_keys", "validate_model", "validate_settings"
 ]

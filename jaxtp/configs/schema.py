@@ -9,7 +9,6 @@ field names are public interface and stay stable.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +25,10 @@ AttentionImpl = Literal["default", "xla", "cudnn"]
 ContextLayout = Literal["zigzag", "contiguous"]
 RopeScaling = Literal["none", "llama3"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved", "zb1"]
+
+# the names each of these fields accepts, for the code that branches on them
+CONTEXT_LAYOUTS: tuple[str, ...] = typing.get_args(ContextLayout)
+PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
 
@@ -379,10 +382,6 @@ def load(name: str = "tiny", overrides: list[str] | tuple[str, ...] = ()) -> Con
     return cfg
 
 
-# ----------------------------------------------------------------------------------------------
-# jaxtp.config(preset, overrides): this module is callable
-# ----------------------------------------------------------------------------------------------
-
 def configure(preset: str = "tiny", overrides=()) -> Config:
     """The preset with ``overrides`` applied: a mapping ``{"parallel.data": 2}`` or the CLI's
     ``["parallel.data=2"]``; checked as :func:`load` checks. ``jaxtp.config(...)`` calls this."""
@@ -391,13 +390,3 @@ def configure(preset: str = "tiny", overrides=()) -> Config:
                      for k, v in overrides.items()]
     return load(preset, list(overrides))
 
-
-class _CallableModule(types.ModuleType):
-    """``jaxtp.configs.schema`` is both this module (``config.load``, ``config.ModelConfig``) and the
-    public API's function: ``jaxtp.config("tiny", {"parallel.model": 4})``."""
-
-    def __call__(self, preset: str = "tiny", overrides=()) -> Config:
-        return configure(preset, overrides)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -62,7 +62,7 @@ def local_bytes(engine: Engine, shardings) -> int:
     """Bytes one device holds of a parameter-shaped state in ``shardings`` (largest shard of
     each tensor)."""
     total = 0
-    for v, s in zip(jax.tree.leaves(engine.abstract_params), jax.tree.leaves(shardings)):
+    for v, s in zip(jax.tree.leaves(engine.layout.abstract_params), jax.tree.leaves(shardings)):
         total += math.prod(s.shard_shape(v.shape)) * v.dtype.itemsize
     return total
 
@@ -75,7 +75,7 @@ def shard_bytes(tree) -> int:
 
 def local_param_bytes(engine: Engine) -> int:
     """Bytes of parameters one device holds, from the shardings."""
-    return local_bytes(engine, engine.param_shardings)
+    return local_bytes(engine, engine.layout.param_shardings)
 
 
 FLAG_FRACTION = 0.01  # a tensor wasting more than this share of a device's parameter bytes
@@ -92,17 +92,17 @@ def param_table(engine: Engine, specs=None) -> list[dict]:
     sorted by waste (held - ideal). ``flagged`` marks a tensor whose waste exceeds
     ``FLAG_FRACTION`` of the device's parameter bytes: replicated where it could be split.
     ``specs`` (default: the engine's parameter specs) lets a caller check another layout."""
-    specs = engine.param_specs if specs is None else specs
+    specs = engine.layout.param_specs if specs is None else specs
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    leaves = jax.tree_util.tree_flatten_with_path(engine.abstract_params)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(engine.layout.abstract_params)[0]
     spec_leaves = jax.tree.leaves(specs, is_leaf=is_spec)
-    shape = mesh_shape(engine.mesh)
+    shape = mesh_shape(engine.layout.mesh)
     split_axes = {a for sp in spec_leaves for entry in sp if entry is not None
                   for a in ((entry,) if isinstance(entry, str) else entry)}
     split_devices = math.prod(shape[a] for a in split_axes)
     rows = []
     for (keys, a), spec in zip(leaves, spec_leaves):
-        sharding = jax.sharding.NamedSharding(engine.mesh, spec)
+        sharding = jax.sharding.NamedSharding(engine.layout.mesh, spec)
         held = math.prod(sharding.shard_shape(a.shape)) * a.dtype.itemsize
         total = math.prod(a.shape) * a.dtype.itemsize
         rows.append({"param": _path(keys), "shape": list(a.shape), "spec": str(spec),
@@ -116,8 +116,8 @@ def param_table(engine: Engine, specs=None) -> list[dict]:
 
 def analytic_flops(engine: Engine) -> float:
     """Training FLOPs per step of the engine's model and batch (:func:`jaxtp.train.flops.model_flops`)."""
-    t = engine.cfg.train
-    return model_flops(engine.cfg.model, batch_size=t.batch_size, seq_len=t.seq_len)
+    t = engine.layout.cfg.train
+    return model_flops(engine.layout.cfg.model, batch_size=t.batch_size, seq_len=t.seq_len)
 
 
 def hosts_per_axis(parallel: ParallelConfig, degrees: dict[str, int],
@@ -139,7 +139,7 @@ def link(axes, hosts: dict[str, int]) -> str:
 def module_paths(engine: Engine) -> hlo.ModulePaths:
     """Each Flax module class of the model -> its attribute paths and their ancestors' classes
     (nearest first), the map :func:`jaxtp.inspect.hlo.source` names modules by."""
-    model = nnx.merge(engine.graphdef, engine.abstract_params)
+    model = nnx.merge(engine.layout.graphdef, engine.layout.abstract_params)
     classes = {path: type(node).__name__ for path, node in nnx.iter_graph(model)
                if isinstance(node, nnx.Module)}
     out: hlo.ModulePaths = defaultdict(list)
@@ -153,7 +153,7 @@ def _lower_train(target: Engine | Config):
     """The :class:`jaxtp.train.trainer.Trainer` step lowered from abstract state and batch, with the
     trainer and the abstract state."""
     if isinstance(target, Engine):
-        trainer = Trainer(target.cfg, list(target.mesh.devices.flat))
+        trainer = Trainer(target.layout.cfg, list(target.layout.mesh.devices.flat))
     else:
         trainer = Trainer(target)
     state = trainer.abstract_state()
@@ -190,7 +190,7 @@ def report(target: Engine | Config, step: str = "grad") -> Report:
         engine = target if isinstance(target, Engine) else build_engine(target)
         compiled = compile_step(engine, step)
     text = compiled.as_text()
-    shape = mesh_shape(engine.mesh)
+    shape = mesh_shape(engine.layout.mesh)
     # a pipeline rank runs one pass per tick: count its stages' collectives as it runs them
     # (the view of pipeline rank 0)
     branches = None
@@ -204,7 +204,7 @@ def report(target: Engine | Config, step: str = "grad") -> Report:
     if optimizer is not None:
         per_device["optimizer"] = optimizer
     per_device |= {
-        "grads": local_bytes(engine, engine.grad_shardings) if step != "loss" else 0,
+        "grads": local_bytes(engine, engine.layout.grad_shardings) if step != "loss" else 0,
         "arguments": int(mem.argument_size_in_bytes),
         "outputs": int(mem.output_size_in_bytes),
         "temporaries": int(mem.temp_size_in_bytes),
@@ -217,10 +217,10 @@ def report(target: Engine | Config, step: str = "grad") -> Report:
     flops_device = hlo.dot_flops(text, branches)
     n_dev = math.prod(shape.values())
     analytic = analytic_flops(engine) / (3.0 if step == "loss" else 1.0)
-    hosts = hosts_per_axis(engine.cfg.parallel, shape, jax.process_count())
+    hosts = hosts_per_axis(engine.layout.cfg.parallel, shape, jax.process_count())
     census = hlo.census(ops)
     # the grad step's flat outputs: what a fused collective whose origins XLA dropped produces
-    outputs = ["loss"] + ["gradients"] * len(jax.tree.leaves(engine.abstract_params)) \
+    outputs = ["loss"] + ["gradients"] * len(jax.tree.leaves(engine.layout.abstract_params)) \
         if step == "grad" else None
     by_source = hlo.census_by_source(ops, module_paths(engine), outputs)
     for row in census + by_source:

@@ -37,6 +37,6 @@ def verify(cfg: Config, estimates: list[Estimate], k: int, *,
                            "temporaries": int(mem.temp_size_in_bytes),
                            "collectives": {(c["kind"], tuple(c["axes"])): c["bytes"]
                                            for c in census(collectives(
-                                               compiled.as_text(), mesh_shape(eng.mesh)))}}
+                                               compiled.as_text(), mesh_shape(eng.layout.mesh)))}}
         done += 1
     return rows

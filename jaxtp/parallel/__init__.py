@@ -23,14 +23,16 @@ from jaxtp.parallel.sharding import (
     zero_layout,
     zero_specs,
 )
-from jaxtp.parallel.validation import batch_shards, check_experts, check_sequence, validate
+from jaxtp.parallel.validation import (
+    batch_shards,
+    check_experts,
+    check_sequence,
+    padded_seq_len,
+    validate,
+)
 
 __all__ = [
     "ExplicitOps", "GSPMDOps", "LocalOps", "Rules", "TP_REDUCED", "ZeroLayout", "activation_rules",
     "batch_shards", "batch_spec", "build_mesh", "check_experts", "check_sequence",
-    "combine_from_experts", "copy_to_model", "cpu_fallback_warning", "dcn_degrees",
-    "describe_devices", "describe_mesh", "dispatch_to_experts", "distributed", "from_layout",
-    "gather_params", "mark_data_parallel", "mesh_shape", "named", "param_rules", "param_specs",
-    "positions_for_layout", "resolve_degrees", "restrict", "sync_grads", "to_layout",
-    "use_cpu_devices", "validate", "zero_layout", "zero_specs"
+    "combine_from_experts", "copy_to_model", "cpu_fallback_warning", "dcn_degrees", "describe_devices", "describe_mesh", "dispatch_to_experts", "distributed", "from_layout", "gather_params", "mark_data_parallel", "mesh_shape", "named", "padded_seq_len", "param_rules", "param_specs", "positions_for_layout", "resolve_degrees", "restrict", "sync_grads", "to_layout", "use_cpu_devices", "validate", "zero_layout", "zero_specs"
 ]

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtp.configs import CONTEXT_LAYOUTS
 from jaxtp.parallel import validation as validate
 
-LAYOUTS = validate.CONTEXT_LAYOUTS
 _MASKED = -1e30  # finite, so a fully masked row never turns exp(-inf - -inf) into NaN
 
 
@@ -321,8 +321,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str = "con
     ppermute per exchange). Other manual axes (batch
     over ``data``, heads over ``model``) pass through untouched.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"ring attention layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout not in CONTEXT_LAYOUTS:
+        raise ValueError(f"ring attention layout must be one of {CONTEXT_LAYOUTS}, "
+                         f"got {layout!r}")
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"ring attention wants q [B,S,N,H] and k, v [B,S,K,H]; got "
                          f"q {q.shape}, k {k.shape}, v {v.shape}")

@@ -13,10 +13,12 @@ needs. Rules about one model's own fields (no mesh) run at config load
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from jaxtp.configs import (
     CONTEXT,
+    CONTEXT_LAYOUTS,
     EXPERT,
     MODEL,
     PIPELINE,
@@ -28,8 +30,6 @@ from jaxtp.configs import (
     validate_model,
 )
 from jaxtp.pipeline import ScheduleError, check_pipeline
-
-CONTEXT_LAYOUTS = ("zigzag", "contiguous")
 
 
 def validate(cfg: Config, degrees: Mapping[str, int], *, platform: str | None = None,
@@ -132,6 +132,31 @@ def _batch(train: TrainConfig, degrees: Mapping[str, int]) -> None:
                           f"batch shards")
 
 
+def _context_chunks(context: int, layout: str) -> int:
+    """The pieces context parallelism cuts a sequence into: one per ``context`` device, two per
+    device for zig-zag (none below a degree of 2)."""
+    if context == 1:
+        return 1
+    return 2 * context if layout == "zigzag" else context
+
+
+def _sequence_multiple(*, context: int, layout: str, model: int,
+                       sequence_parallel: bool) -> int:
+    """The sequence lengths :func:`check_sequence` accepts are the multiples of this: the context
+    chunks, and under sequence parallelism ``model`` pieces of each device's context shard."""
+    chunks = _context_chunks(context, layout)
+    return math.lcm(chunks, context * model) if sequence_parallel else chunks
+
+
+def padded_seq_len(seq_len: int, *, context: int, layout: str, model: int = 1,
+                   sequence_parallel: bool = False) -> int:
+    """The shortest length ``>= seq_len`` that :func:`check_sequence` accepts (what
+    :class:`jaxtp.Model` pads a batch's positions to)."""
+    multiple = _sequence_multiple(context=context, layout=layout, model=model,
+                                  sequence_parallel=sequence_parallel)
+    return -(-seq_len // multiple) * multiple
+
+
 def check_sequence(seq_len: int, *, context: int, layout: str, model: int = 1,
                    sequence_parallel: bool = False) -> None:
     """The sequence splits: ``context`` chunks (two per device for zig-zag), then ``model`` pieces
@@ -142,19 +167,20 @@ def check_sequence(seq_len: int, *, context: int, layout: str, model: int = 1,
     if layout not in CONTEXT_LAYOUTS:
         raise ConfigError(f"parallel.context_layout={layout!r}: the ring attention layout must "
                           f"be one of {', '.join(CONTEXT_LAYOUTS)}")
-    if cp > 1:
-        chunks = 2 * cp if layout == "zigzag" else cp
-        if s % chunks:
-            why = ("the zigzag layout cuts it into 2 x parallel.context chunks, two per device"
-                   if layout == "zigzag" else "it is cut into parallel.context chunks")
-            raise ConfigError(f"train.seq_len={s} is not divisible by {chunks}: {why} "
-                              f"(parallel.context={cp}); use a seq_len that is a multiple of "
-                              f"{chunks} or change parallel.context")
-    if sequence_parallel and (s // cp) % t:
+    chunks = _context_chunks(cp, layout)
+    if s % chunks:
+        why = ("the zigzag layout cuts it into 2 x parallel.context chunks, two per device"
+               if layout == "zigzag" else "it is cut into parallel.context chunks")
+        raise ConfigError(f"train.seq_len={s} is not divisible by {chunks}: {why} "
+                          f"(parallel.context={cp}); use a seq_len that is a multiple of "
+                          f"{chunks} or change parallel.context")
+    multiple = _sequence_multiple(context=cp, layout=layout, model=t,
+                                  sequence_parallel=sequence_parallel)
+    if s % multiple:
         where = f"each context shard's {s // cp} positions" if cp > 1 else f"train.seq_len={s}"
         raise ConfigError(f"parallel.sequence_parallel splits {where} over parallel.model={t}, "
                           f"which does not divide it; use a seq_len that is a multiple of "
-                          f"{cp * t}")
+                          f"{multiple}")
 
 
 def _sequence(parallel: ParallelConfig, train: TrainConfig, degrees: Mapping[str, int]) -> None:

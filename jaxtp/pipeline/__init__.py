@@ -2,7 +2,6 @@
 the runtime that executes them over the ``pipeline`` axis, the B/W split of a stage's backward
 (ZB-H1) and the order of the stacked layers."""
 
-from jaxtp.pipeline.buffers import vary_over, varying_axes
 from jaxtp.pipeline.layer_order import (
     ranks_to_stages,
     stages_to_ranks,
@@ -17,7 +16,7 @@ from jaxtp.pipeline.program import (
     compile_schedule,
     stores_residuals,
 )
-from jaxtp.pipeline.runtime import pipeline_value_and_grad
+from jaxtp.pipeline.runtime import pipeline_value_and_grad, vary_over, varying_axes
 from jaxtp.pipeline.schedules import (
     Schedule,
     ScheduleError,

@@ -14,8 +14,8 @@ scalar loss.
 
 Memory: a rank keeps what a later pass reads in fixed-size buffers whose slots the program assigns
 statically, so GPipe needs ``m`` slots and 1F1B about ``p``, whatever ``m`` — the point of 1F1B.
-By default a ``F`` keeps its stage's VJP residuals (:mod:`jaxtp.pipeline.stage_residuals`: what the stage's
-remat policy saves) for its ``B``, which then runs the backward only; with ``residuals=False`` it
+By default a ``F`` keeps its stage's VJP residuals (what the stage's remat policy saves; see
+:func:`split_vjp`) for its ``B``, which then runs the backward only; with ``residuals=False`` it
 keeps only the stage input and ``B`` recomputes the stage (GPipe sec. 2.3). Residual buffers enter
 the tick's ``lax.switch`` read-only and are written after it (a buffer passed through a branch is
 copied whole by XLA). Under ZB-H1 (``zb1``) the backward is two passes (:mod:`jaxtp.pipeline.weight_grad`):
@@ -38,22 +38,8 @@ import jax.numpy as jnp
 from jaxtp.configs import PIPELINE
 from jaxtp.pipeline import program as col  # the columns of Program.rows
 from jaxtp.pipeline import weight_grad
-from jaxtp.pipeline.buffers import (
-    add,
-    add_chunk,
-    add_chunk_leaves,
-    index,
-    read,
-    vary_over,
-    varying_axes,
-    write,
-    zeros,
-    zeros_like,
-)
 from jaxtp.pipeline.program import Branch, Segment, Step, compile_schedule
 from jaxtp.pipeline.schedules import Schedule, ScheduleError
-from jaxtp.pipeline.stage_residuals import join_vjp, split_vjp, vjp_leaves
-from jaxtp.pipeline.stage_transfer import sender
 
 
 class PipelineGrads(NamedTuple):
@@ -390,3 +376,153 @@ class _Run:
                 wres = [write(b, row[col.WRITE_WRES], a) for b, a in zip(wres, out[-1])]
             return (acts, cots, res, wres, acc, loss + dloss), None
         return tick
+
+
+# ----------------------------------------------------------------------------------------------
+# A stage's VJP residuals: what a F keeps for its B
+# ----------------------------------------------------------------------------------------------
+# A stage's VJP split into the arrays a pipeline must keep and the parameters it already has.
+#
+# ``jax.vjp(stage, params, x)`` returns the backward as a ``jax.tree_util.Partial`` whose leaves are
+# the residuals: what the stage's remat policy saved of its forward (every intermediate under no
+# remat, the linear layers' outputs under selective recompute, each layer's input under full) and
+# the parameters the backward multiplies by. The pipeline stores the former in a residual slot from
+# a micro-batch's ``F`` to its ``B`` (so ``B`` runs only the backward, as in an unpipelined step)
+# and takes the latter from the stage's parameters again at ``B``: a slot never holds weights.
+# Which leaf is which is decided once per trace, by identity with the parameter leaves passed in.
+
+class Recipe(NamedTuple):
+    """How to rebuild a stage's VJP: its tree structure, and per leaf its source: ``i >= 0`` is
+    parameter leaf ``i``, ``-1 - j`` is stored leaf ``j``."""
+
+    treedef: Any
+    sources: tuple[int, ...]
+
+
+def split_vjp(vjp_fn, params) -> tuple[Recipe, list[jax.Array]]:
+    """``vjp_fn`` (of ``params`` and the stage input) -> (its :class:`Recipe`, the leaves to
+    store: those that are not one of ``params``'s leaves)."""
+    leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+    index = {id(a): i for i, a in enumerate(jax.tree.leaves(params))}
+    sources, stored = [], []
+    for a in leaves:
+        if id(a) in index:
+            sources.append(index[id(a)])
+        else:
+            sources.append(-1 - len(stored))
+            stored.append(a)
+    return Recipe(treedef, tuple(sources)), stored
+
+
+def vjp_leaves(recipe: Recipe, params, stored: list[jax.Array]) -> list[jax.Array]:
+    """The VJP function's leaves, in order, from the stored leaves and the stage's parameters."""
+    p = jax.tree.leaves(params)
+    return [p[s] if s >= 0 else stored[-1 - s] for s in recipe.sources]
+
+
+def join_vjp(recipe: Recipe, params, stored: list[jax.Array]):
+    """The VJP function again, from the stored leaves and the stage's parameters."""
+    return jax.tree_util.tree_unflatten(recipe.treedef, vjp_leaves(recipe, params, stored))
+
+
+# ----------------------------------------------------------------------------------------------
+# The transfer: a stage output to the next rank
+# ----------------------------------------------------------------------------------------------
+# How a stage's output travels to the next pipeline rank: one ``ppermute`` over the pipeline
+# axis, optionally of each tensor-parallel rank's ``1/n`` slice only (Narayanan et al. 2021,
+# sec. 4.1, "scatter/gather": the activations are replicated over the ``model`` axis, so each rank
+# sends its slice over the slow pipeline link and the receiver all-gathers them over the fast one).
+
+def all_gather_invariant(x, axis: str, dim: int):
+    """All-gather whose result is typed replicated (invariant) over ``axis``, as its input was
+    before it was sliced. Public in newer JAX; jax 0.10 has it only internally."""
+    gather = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+        from jax._src.lax.parallel import all_gather_invariant as gather
+    return gather(x, axis, axis=dim, tiled=True)
+
+
+def sender(axis: str, split: tuple[str, int] | None) -> Callable:
+    """``send(x, perm)``: ``ppermute`` over ``axis``, of ``1/n`` slices when ``split`` is set."""
+    if split is None:
+        return lambda x, perm: jax.lax.ppermute(x, axis, perm)
+    name, dim = split
+    mesh = jax.sharding.get_abstract_mesh()
+    if name in mesh.manual_axes:
+        n = jax.lax.axis_size(name)
+
+        def send(x, perm):
+            size = x.shape[dim] // n
+            part = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(name) * size, size, dim)
+            return all_gather_invariant(jax.lax.ppermute(part, axis, perm), name, dim)
+        return send
+
+    def spec(*entries):
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
+
+    def send(x, perm):  # GSPMD: a nested manual region over `name` sends each device's shard
+        sliced = jax.sharding.PartitionSpec(*[None] * dim, name)
+        moved = jax.shard_map(lambda part: jax.lax.ppermute(part, axis, perm), mesh=mesh,
+                              in_specs=sliced, out_specs=sliced, axis_names=frozenset({name}))
+        # replicated on both sides, or the propagation pulls the sliced layout into the stages
+        x = jax.lax.with_sharding_constraint(x, spec())
+        return jax.lax.with_sharding_constraint(moved(x), spec())
+    return send
+
+
+# ----------------------------------------------------------------------------------------------
+# Buffers: zeros with a varying-axes type, accumulation, slot reads and writes
+# ----------------------------------------------------------------------------------------------
+# Small array helpers of the pipeline runtime (:mod:`jaxtp.pipeline.runtime`): zero buffers with a
+# given varying-axes type, gradient accumulation into a chunk, and slot reads and writes.
+
+def varying_axes(x) -> frozenset[str]:
+    """The manual mesh axes over which ``x`` varies (its type's ``vma``)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def vary_over(x, axes):
+    """``pcast`` to varying over those of ``axes`` that ``x`` does not already vary over."""
+    missing = tuple(a for a in sorted(axes) if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def zeros(shape, dtype, vma):
+    return vary_over(jnp.zeros(shape, dtype), vma)
+
+
+def zeros_like(tree):
+    return jax.tree.map(lambda a: zeros(a.shape, a.dtype, varying_axes(a)), tree)
+
+
+def add(acc, d):
+    return jax.tree.map(jnp.add, acc, d)
+
+
+def add_chunk(grads, c, d):
+    """``grads[c] += d`` on every leaf (``c`` traced)."""
+    return jax.tree.map(lambda g, x: jax.lax.dynamic_update_index_in_dim(
+        g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x, c, 0), grads, d)
+
+
+def add_chunk_leaves(grads, c, d: list):
+    """``grads[c] += d`` for the leaves of ``grads`` whose entry in the flat list ``d`` is not
+    ``None`` (a split backward's ``B`` or ``W`` part)."""
+    leaves, treedef = jax.tree_util.tree_flatten(grads)
+    return jax.tree_util.tree_unflatten(treedef, [
+        g if x is None else jax.lax.dynamic_update_index_in_dim(
+            g, jax.lax.dynamic_index_in_dim(g, c, 0, keepdims=False) + x.astype(g.dtype), c, 0)
+        for g, x in zip(leaves, d)])
+
+
+def index(tree, i):
+    """Micro-batch ``i`` (traced) of every leaf of ``tree``."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+
+def read(buf, slot):
+    return jax.lax.dynamic_index_in_dim(buf, slot, 0, keepdims=False)
+
+
+def write(buf, slot, value):  # an unused write goes to a dead or the scratch slot
+    return jax.lax.dynamic_update_index_in_dim(buf, value, slot, 0)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+from jaxtp.configs import PIPELINE_SCHEDULES
 
 
 class ScheduleError(ValueError):
@@ -166,8 +166,9 @@ def lockstep_factor(name: str, p: int, m: int, v: int = 1, backward: float = 3.0
 
 def check(name: str, p: int, m: int, v: int = 1) -> None:
     """Raise ScheduleError for a combination the schedule cannot run."""
-    if name not in SCHEDULES:
-        raise ScheduleError(f"pipeline_schedule={name!r}: expected one of {', '.join(SCHEDULES)}")
+    if name not in PIPELINE_SCHEDULES:
+        raise ScheduleError(f"pipeline_schedule={name!r}: expected one of "
+                            f"{', '.join(PIPELINE_SCHEDULES)}")
     if p < 1 or m < 1 or v < 1:
         raise ScheduleError(f"pipeline={p}, microbatches={m}, virtual_stages={v}: must be >= 1")
     if name != "interleaved" and v != 1:

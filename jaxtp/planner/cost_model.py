@@ -9,9 +9,10 @@ layouts that fit in memory are ranked by step time. The model follows Narayanan 
 Korthikanti et al. 2022 (arXiv 2205.05198: activation memory per layer sbh(34 + 5as/h), TP / SP /
 selective / full recompute) and ZeRO (arXiv 1910.02054: 16 Psi of state split by stage).
 
-This module holds what the two halves read and what they produce: :class:`Layout`, the model's
-:class:`Shape` (its parameters and FLOPs per layer) and the :class:`Estimate` of one layout. The
-memory model is :mod:`jaxtp.planner.memory_model`, the time model :mod:`jaxtp.planner.time_model`.
+This module holds what the two halves read and what they produce: the :class:`Candidate` layout,
+the model's :class:`Shape` (its parameters and FLOPs per layer) and the :class:`Estimate` of one
+layout. The memory model is :mod:`jaxtp.planner.memory_model`, the time model
+:mod:`jaxtp.planner.time_model`.
 
 How well it predicts (tests/unit/planner/test_plan.py, on ``tiny`` compiled for 8 CPU devices): the compiled
 step's arguments (parameters + batch) and outputs (gradients) to well under 1%; the per-layer
@@ -30,16 +31,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from jaxtp.configs import AXES, Config
+from jaxtp.configs import AXES, PIPELINE_SCHEDULES, Config
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-REMATS = ("none", "selective", "full")  # fastest first
+# what the search weighs unless SearchSpace names others: every schedule but ZB-H1 (zb1)
+SCHEDULES = tuple(s for s in PIPELINE_SCHEDULES if s != "zb1")
+REMATS = ("none", "selective", "full")  # the recompute policies modelled, fastest first
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One parallel configuration; field names are the config's ``parallel.*`` names (and
-    ``microbatches`` from ``train``)."""
+class Candidate:
+    """One parallel layout the planner weighs (no mesh, no model: the choices only); field names
+    are the config's ``parallel.*`` names (and ``microbatches`` from ``train``)."""
 
     data: int = 1
     fsdp: int = 1
@@ -148,7 +150,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Estimate:
-    layout: Layout
+    layout: Candidate
     memory: dict[str, float]
     time: dict[str, float]
     n_devices: int

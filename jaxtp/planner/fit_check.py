@@ -8,20 +8,19 @@ it, so a layout that will run out of memory says so before minutes of compilatio
 
 from __future__ import annotations
 
-from jaxtp.configs import Config
-from jaxtp.planner.cost_model import Layout, Shape
+from jaxtp.configs import AXES, Config
+from jaxtp.planner.cost_model import Candidate, Shape
 from jaxtp.planner.memory_model import memory
 
 
 def predicted_bytes(cfg: Config, degrees: dict[str, int]) -> float:
     """The planner's per-device memory total for ``cfg`` on a mesh of ``degrees``."""
     par = cfg.parallel
-    layout = Layout(**{a: degrees[a] for a in ("data", "fsdp", "pipeline", "model", "context",
-                                              "expert")},
-                    zero_stage=par.zero_stage, remat=par.remat,
-                    sequence_parallel=par.sequence_parallel,
-                    pipeline_schedule=par.pipeline_schedule, virtual_stages=par.virtual_stages,
-                    microbatches=cfg.train.microbatches)
+    layout = Candidate(**{a: degrees[a] for a in AXES},
+                       zero_stage=par.zero_stage, remat=par.remat,
+                       sequence_parallel=par.sequence_parallel,
+                       pipeline_schedule=par.pipeline_schedule, virtual_stages=par.virtual_stages,
+                       microbatches=cfg.train.microbatches)
     return memory(Shape.of(cfg), layout)["total"]
 
 

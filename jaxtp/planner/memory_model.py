@@ -33,10 +33,10 @@ from jaxtp.pipeline import (
     compile_schedule,
     stores_residuals,
 )
-from jaxtp.planner.cost_model import Layout, Shape
+from jaxtp.planner.cost_model import Candidate, Shape
 
 
-def effective_remat(layout: Layout) -> str:
+def effective_remat(layout: Candidate) -> str:
     """jaxtp's model saves matmul outputs (``dots_saveable``) when ZeRO-3 gathers each layer and
     no recompute was asked for: gathered weights must not be saved (:func:`jaxtp.layers.transformer._remat`)."""
     if layout.remat == "none" and zero_shards(layout)[0] > 1:
@@ -114,7 +114,7 @@ def residual_buffer(p: int, m: int) -> int:
     return min(2 * p - 2, m + 1)
 
 
-def in_flight(layout: Layout, activations: str = "jaxtp") -> float:
+def in_flight(layout: Candidate, activations: str = "jaxtp") -> float:
     """Micro-batches of activations a stage holds at its peak, in units of its full L/p layers.
 
     jaxtp's pipeline runtime (unless ``remat=full``, when it keeps only stage inputs and
@@ -141,13 +141,13 @@ def in_flight(layout: Layout, activations: str = "jaxtp") -> float:
     return min(m * v, 2 * (p - 1) + (v - 1) * p + 1) / v
 
 
-def zero_shards(layout: Layout) -> tuple[int, int, int]:
+def zero_shards(layout: Candidate) -> tuple[int, int, int]:
     """How many ways (params, grads, moments) are split over the ZeRO axes fsdp and data."""
     z, d, st = layout.fsdp, layout.data, layout.zero_stage
     return (z * (d if st >= 3 else 1), z * (d if st >= 2 else 1), z * (d if st >= 1 else 1))
 
 
-def stage_params(s: Shape, layout: Layout) -> tuple[float, float]:
+def stage_params(s: Shape, layout: Candidate) -> tuple[float, float]:
     """(parameters of the worst pipeline stage on one device, those of its vocab tables)."""
     t, p = layout.model, layout.pipeline
     # jaxtp replicates the embedding, final norm and head over `pipeline` (Megatron-LM keeps the
@@ -156,7 +156,7 @@ def stage_params(s: Shape, layout: Layout) -> tuple[float, float]:
     return s.layers / p * s.layer_params(t, layout.expert) + table + s.d_model, table
 
 
-def memory(s: Shape, layout: Layout, *, activations: str = "jaxtp") -> dict[str, float]:
+def memory(s: Shape, layout: Candidate, *, activations: str = "jaxtp") -> dict[str, float]:
     """Predicted bytes per device, by component; ``total`` is what must fit in HBM."""
     t, c, pb = layout.model, layout.context, s.param_bytes
     n_p, n_g, n_m = zero_shards(layout)
@@ -187,11 +187,11 @@ def memory(s: Shape, layout: Layout, *, activations: str = "jaxtp") -> dict[str,
     return out
 
 
-def micro_batch_size(s: Shape, layout: Layout) -> int:
+def micro_batch_size(s: Shape, layout: Candidate) -> int:
     return s.batch // (layout.data * layout.fsdp * batch_expert(s, layout)
                        * layout.microbatches)
 
 
-def batch_expert(s: Shape, layout: Layout) -> int:
+def batch_expert(s: Shape, layout: Candidate) -> int:
     """Expert ranks are data ranks for the dense part of an MoE model (GShard)."""
     return layout.expert if s.moe else 1

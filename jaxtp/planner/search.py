@@ -17,10 +17,10 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from jaxtp.configs import BATCH_AXES, Config, ConfigError
+from jaxtp.configs import AXES, BATCH_AXES, Config, ConfigError
 from jaxtp.parallel import validate
 from jaxtp.pipeline import stores_residuals
-from jaxtp.planner.cost_model import AXES, REMATS, SCHEDULES, Estimate, Layout, Shape
+from jaxtp.planner.cost_model import REMATS, SCHEDULES, Candidate, Estimate, Shape
 from jaxtp.planner.hardware import Hardware
 from jaxtp.planner.memory_model import (
     batch_expert,
@@ -39,7 +39,7 @@ from jaxtp.planner.time_model import gradient_sync, link, step_time
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the planner may choose; ``fixed`` pins Layout fields (e.g. ``(("model", 8),)``)."""
+    """What the planner may choose; ``fixed`` pins Candidate fields (e.g. ``(("model", 8),)``)."""
 
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     remats: tuple[str, ...] = REMATS
@@ -109,7 +109,7 @@ def _schedules(s: Shape, deg: dict, local_batch: int, space: SearchSpace,
                     yield name, v, m
 
 
-def _lower_bound(s: Shape, base: Layout, local: int, hw: Hardware, activations: str) -> float:
+def _lower_bound(s: Shape, base: Candidate, local: int, hw: Hardware, activations: str) -> float:
     """A step time no layout of these degrees and stage beats, whatever its schedule,
     micro-batches and recompute: every component of :func:`step_time` is smallest at one
     micro-batch without recompute, except the bubble and the p2p, bounded by their values at
@@ -153,7 +153,7 @@ def plan(cfg: Config, n_devices: int, hw: Hardware, *, space: SearchSpace = Sear
                 continue  # stages act on `data` only
             if deg["fsdp"] > 1 and (deg["data"] == 1 or stage == 3):
                 continue  # the same shards as data = data x fsdp at stage 3: listed once, so
-            base = Layout(**deg, zero_stage=stage)
+            base = Candidate(**deg, zero_stage=stage)
             n_p, _, n_m = zero_shards(base)
             psi, _ = stage_params(s, base)
             if s.param_bytes * psi * 2 / n_p + 8 * psi / n_m > limit:
@@ -178,9 +178,9 @@ def plan(cfg: Config, n_devices: int, hw: Hardware, *, space: SearchSpace = Sear
                 for sp in sps:
                     if sp and (base.model == 1 or s.seq // base.context % base.model):
                         continue
-                    lo = Layout(**deg, zero_stage=base.zero_stage, remat=remat,
-                                sequence_parallel=sp, pipeline_schedule=name, virtual_stages=v,
-                                microbatches=m)
+                    lo = Candidate(**deg, zero_stage=base.zero_stage, remat=remat,
+                                   sequence_parallel=sp, pipeline_schedule=name,
+                                   virtual_stages=v, microbatches=m)
                     costed += 1
                     mem = memory(s, lo, activations=activations)
                     if mem["total"] <= limit:
@@ -207,7 +207,7 @@ def plan(cfg: Config, n_devices: int, hw: Hardware, *, space: SearchSpace = Sear
             for est in found], stats
 
 
-def engine_support(cfg: Config, layout: Layout) -> str:
+def engine_support(cfg: Config, layout: Candidate) -> str:
     """"" when this version of jaxtp's trainer accepts ``layout`` (:func:`jaxtp.parallel.validation.validate`,
     the trainer's own rules), else its reason."""
     par = dataclasses.replace(cfg.parallel, **{a: getattr(layout, a) for a in AXES},
@@ -227,7 +227,7 @@ def engine_support(cfg: Config, layout: Layout) -> str:
 # Checking predictions against compiled programs
 # ---------------------------------------------------------------------------------------------
 
-def predicted_grad_step(s: Shape, layout: Layout, *, activations: str = "jaxtp") -> dict:
+def predicted_grad_step(s: Shape, layout: Candidate, *, activations: str = "jaxtp") -> dict:
     """What the compiled loss-and-gradient step (``Engine.loss_and_grad``) should show: its
     arguments (parameters + the int32 token batch), outputs (gradients in the stage's sharding +
     the loss), the rest (full local gradients before the sync, activations, transients: XLA's

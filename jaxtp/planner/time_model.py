@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 
+from jaxtp.configs import AXES
 from jaxtp.pipeline import lockstep_factor, stores_residuals
-from jaxtp.planner.cost_model import AXES, Layout, Shape
+from jaxtp.planner.cost_model import Candidate, Shape
 from jaxtp.planner.hardware import Hardware, Link
 from jaxtp.planner.memory_model import (
     effective_remat,
@@ -43,7 +44,7 @@ from jaxtp.planner.memory_model import (
 )
 
 
-def link(layout: Layout, axes: tuple[str, ...], hw: Hardware) -> Link:
+def link(layout: Candidate, axes: tuple[str, ...], hw: Hardware) -> Link:
     """The link a collective over ``axes`` is bound by. Devices fill nodes in mesh order (``model``
     innermost), so a group stays in a node iff the degrees from its outermost axis inward fit."""
     outer = min(AXES.index(a) for a in axes)
@@ -60,7 +61,7 @@ def gather_s(nbytes: float, n: int, ln: Link) -> float:
     return 0.0 if n == 1 else (n - 1) / n * nbytes / ln.bandwidth + (n - 1) * ln.latency
 
 
-def step_time(s: Shape, layout: Layout, hw: Hardware, *,
+def step_time(s: Shape, layout: Candidate, hw: Hardware, *,
               activations: str = "jaxtp") -> dict[str, float]:
     """Predicted seconds per step by component (see the module docstring for what overlaps).
 
@@ -165,7 +166,7 @@ def step_time(s: Shape, layout: Layout, hw: Hardware, *,
     return out
 
 
-def gradient_sync(layout: Layout, grads: float) -> list[tuple[str, tuple[str, ...], float]]:
+def gradient_sync(layout: Candidate, grads: float) -> list[tuple[str, tuple[str, ...], float]]:
     """The once-per-step gradient reduction as (collective, mesh axes, bytes in): over the
     replicas that hold the same parameters -- ``data`` below ZeRO-3 and ``context`` (its ranks
     see different positions of the same sequences). ZeRO-2 reduce-scatters over ``data`` and

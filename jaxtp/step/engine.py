@@ -2,8 +2,8 @@
 
 A thin facade over the redesigned pieces: :class:`jaxtp.step.layout.Layout` (mesh, tables, specs and
 shardings, layer order), the execution :class:`jaxtp.step.region.Region` of the configured mode, and
-the steps (:mod:`jaxtp.step.plain`, :mod:`jaxtp.step.pipelined`). Every layout attribute is reachable
-here (``engine.param_specs``, ``engine.mesh``, ...). :func:`abstract_inputs` gives
+the steps (:mod:`jaxtp.step.plain`, :mod:`jaxtp.step.pipelined`). The layout's data is read from
+the layout (``engine.layout.param_specs``, ``engine.layout.mesh``). :func:`abstract_inputs` gives
 ShapeDtypeStructs so a step for a mesh far larger than the machine can be compiled without
 allocating anything. The single-device reference every parallel run is checked against is
 :func:`reference_loss_fn` with :func:`reference_params`.
@@ -24,9 +24,8 @@ from jaxtp.parallel import LocalOps
 from jaxtp.step import pipelined as pipelined_step
 from jaxtp.step import plain as step
 from jaxtp.step.layout import Batch, Layout, abstract_model, build_layout
-from jaxtp.step.plain import moe_metrics, token_losses_and_aux
+from jaxtp.step.plain import masked_sum, moe_metrics, token_count, token_losses_and_aux
 from jaxtp.step.region import Region, region_for
-from jaxtp.step.token_mean import masked_sum, token_count
 
 
 class Engine:
@@ -35,12 +34,6 @@ class Engine:
     def __init__(self, layout: Layout):
         self.layout = layout
         self.region: Region = region_for(layout)
-
-    def __getattr__(self, name: str):
-        # the layout's data: cfg, mesh, degrees, specs, shardings, init_params, shard_batch, ...
-        if name == "layout":  # not set yet (e.g. during unpickling)
-            raise AttributeError(name)
-        return getattr(self.layout, name)
 
     @property
     def pipelined(self) -> bool:
@@ -52,7 +45,7 @@ class Engine:
 
     # ---- steps --------------------------------------------------------------------------------
     def value_and_grad_fn(self) -> Callable:
-        """``(params, batch) -> (loss, grads, metrics)``, grads in :attr:`grad_specs`,
+        """``(params, batch) -> (loss, grads, metrics)``, grads in ``layout.grad_specs``,
         accumulated over ``train.microbatches``, synced once per step."""
         steps = pipelined_step if self.pipelined else step
         return steps.value_and_grad_fn(self.layout, self.region)
@@ -84,7 +77,7 @@ class Engine:
                        out_shardings=out_shardings, donate_argnums=(0,) if donate else ())
 
     def loss_and_grad(self, *, donate: bool = False):
-        """``jit``-ed ``(params, batch) -> (loss, grads)``, grads in :attr:`grad_shardings`."""
+        """``jit``-ed ``(params, batch) -> (loss, grads)``, grads in ``layout.grad_shardings``."""
         vg = self.value_and_grad_fn()
         return self._jit(lambda p, b: vg(p, b)[:2],
                          (self._replicated, self.layout.grad_shardings), donate=donate)

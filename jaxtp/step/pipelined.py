@@ -56,8 +56,8 @@ from jaxtp.pipeline import (
     varying_axes,
 )
 from jaxtp.step.layout import Layout
+from jaxtp.step.plain import masked_sum, token_count
 from jaxtp.step.region import Region
-from jaxtp.step.token_mean import masked_sum, token_count
 
 
 def keeps_residuals(layout: Layout) -> bool:

@@ -54,23 +54,23 @@ class Trainer:
     def __init__(self, cfg: Config, devices=None):
         self.cfg = cfg
         self.engine = build_engine(cfg, devices)
-        self.tx = optim.build(cfg.train, self.engine.abstract_params)
-        self._replicated = NamedSharding(self.engine.mesh, PartitionSpec())
+        self.tx = optim.build(cfg.train, self.engine.layout.abstract_params)
+        self._replicated = NamedSharding(self.engine.layout.mesh, PartitionSpec())
         self._step = None  # the jitted step, built by the first step()
 
     def init_state(self, params: nnx.State | None = None) -> TrainState:
         """A fresh train state at step 0: ``params`` (sharded like this trainer's, e.g. a
         :class:`jaxtp.Model`'s) or a random init, and a fresh optimizer."""
-        params = self.engine.init_params() if params is None else params
+        params = self.engine.layout.init_params() if params is None else params
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings())(params)
         return TrainState(params, opt_state, jax.device_put(jnp.int32(0), self._replicated))
 
     def opt_shardings(self):
         """Adam moments in the engine's moment shardings (ZeRO >= 1 splits them over ``data``);
         counters replicated."""
-        abstract = jax.eval_shape(self.tx.init, self.engine.abstract_params)
+        abstract = jax.eval_shape(self.tx.init, self.engine.layout.abstract_params)
         return optax.tree_map_params(
-            self.tx, lambda _, sharding: sharding, abstract, self.engine.moment_shardings,
+            self.tx, lambda _, sharding: sharding, abstract, self.engine.layout.moment_shardings,
             transform_non_params=lambda _: self._replicated,
             is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -81,7 +81,8 @@ class Trainer:
             struct = jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
             return a.replace(struct) if isinstance(a, nnx.Variable) else struct
 
-        opt = jax.tree.map(with_sharding, jax.eval_shape(self.tx.init, self.engine.abstract_params),
+        opt = jax.tree.map(with_sharding,
+                           jax.eval_shape(self.tx.init, self.engine.layout.abstract_params),
                            self.opt_shardings(), is_leaf=lambda x: isinstance(x, nnx.Variable))
         return TrainState(params, opt, jax.ShapeDtypeStruct((), jnp.int32,
                                                             sharding=self._replicated))
@@ -94,7 +95,7 @@ class Trainer:
         ``loss`` and ``grad_norm`` (and an MoE model's router metrics)."""
         value_and_grad = self.engine.value_and_grad_fn()
         tx = self.tx
-        moments = self.engine.moment_shardings
+        moments = self.engine.layout.moment_shardings
 
         def step(state: TrainState, batch):
             loss, grads, extra = value_and_grad(state.params, batch)
@@ -108,7 +109,7 @@ class Trainer:
             return TrainState(params, opt_state, state.step + 1), metrics
 
         shardings = self.state_shardings(state)
-        return jax.jit(step, in_shardings=(shardings, self.engine.batch_sharding),
+        return jax.jit(step, in_shardings=(shardings, self.engine.layout.batch_sharding),
                        out_shardings=(shardings, self._replicated), donate_argnums=(0,))
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
@@ -129,7 +130,7 @@ class Trainer:
         share of the global batch (all rows on one process); jax arrays are placed as they are.
         A wrong key, shape or dtype is a ``ValueError`` naming the expected one."""
         check_batch(batch, self.cfg, processes=jax.process_count())
-        sharding = self.engine.batch_sharding
+        sharding = self.engine.layout.batch_sharding
         return {k: v if isinstance(v, jax.Array) and v.sharding == sharding
                 else jax.make_array_from_process_local_data(sharding, np.asarray(v))
                 for k, v in batch.items()}
@@ -231,16 +232,16 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
                                            process_count=jax.process_count())
     trainer = trainer or Trainer(cfg, devices)
     eng = trainer.engine
-    devices = list(eng.mesh.devices.flat)
+    devices = list(eng.layout.mesh.devices.flat)
     out = Path(t.out_dir)
     is_main = jax.process_index() == 0
     if is_main:  # what it runs on, before anything is restored or compiled
-        print("\n".join(events.start_lines(cfg, devices, eng.degrees)), flush=True)
+        print("\n".join(events.start_lines(cfg, devices, eng.layout.degrees)), flush=True)
         if warning := cpu_fallback_warning(devices):
             print(warning, file=sys.stderr, flush=True)
 
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg,
-                        layer_order=trainer.engine.natural_layers)
+                        layer_order=trainer.engine.layout.natural_layers)
     state, start = _initial_state(trainer, ckpt, loader, log=is_main)
     metrics_path = out / "metrics.jsonl"
     records = _read_records(metrics_path, start) if start else []
@@ -258,7 +259,7 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
                   f"{t.steps}; raise train.steps to train further", flush=True)
         ckpt.close()
         return records
-    warning = fit_warning(cfg, eng.degrees, devices)
+    warning = fit_warning(cfg, eng.layout.degrees, devices)
     if warning and is_main:  # the planner's prediction, before minutes of compilation
         print(warning, flush=True)
     loop = Loop(cfg=cfg, trainer=trainer, ckpt=ckpt, loader=loader, eval_loader=eval_loader,

@@ -1,4 +1,4 @@
-"""The public Python API (jaxtp.configs.schema / jaxtp.Model / jaxtp.Trainer): every layout gives the
+"""The public Python API (jaxtp.config / jaxtp.Model / jaxtp.Trainer): every layout gives the
 single-device reference's logits and losses; save / from_run / fine-tune round trips; one-line
 errors for bad input."""
 
@@ -79,6 +79,39 @@ def test_batches_of_any_shape_are_padded_and_cut(reference):
     tok = _tokens()[:3, :30]
     np.testing.assert_allclose(np.asarray(model.logits(tok)),
                                np.asarray(ref_model.logits(tok)), **TOL)
+
+
+# (seq_len, context, context_layout, model, sequence_parallel) -> the padded length, by hand from
+# the rule: context > 1 cuts the sequence into context chunks (zigzag: 2 x context); sequence
+# parallelism cuts each context shard into `model` pieces
+PADDED = [
+    ((30, 1, "zigzag", 4, False), 30),      # nothing splits the positions
+    ((30, 2, "zigzag", 2, False), 32),      # 4 chunks
+    ((30, 2, "contiguous", 2, False), 30),  # 2 chunks
+    ((31, 2, "contiguous", 4, False), 32),
+    ((30, 1, "zigzag", 4, True), 32),       # SP alone: 4 pieces
+    ((30, 2, "zigzag", 2, True), 32),       # 4 chunks, each shard of 16 in 2: multiples of 4
+    ((17, 2, "contiguous", 4, True), 24),   # 2 chunks, each of 12 in 4: multiples of 8
+    ((13, 2, "zigzag", 3, True), 24),       # 4 chunks and each shard in 3: multiples of 12
+    ((24, 4, "zigzag", 2, False), 24),
+    ((25, 4, "zigzag", 2, False), 32),      # 8 chunks
+]
+
+
+@pytest.mark.parametrize("case, want", PADDED, ids=[str(c) for c, _ in PADDED])
+def test_padded_length_is_the_shortest_the_sequence_rule_accepts(case, want):
+    """Model pads positions to padded_seq_len: the shortest length check_sequence accepts (what
+    a search from seq_len upwards would find), computed from the rule, not searched."""
+    from jaxtp.configs import ConfigError
+    from jaxtp.parallel import check_sequence, padded_seq_len
+
+    s, cp, layout, t, sp = case
+    split = dict(context=cp, layout=layout, model=t, sequence_parallel=sp)
+    assert padded_seq_len(s, **split) == want
+    check_sequence(want, **split)
+    for shorter in range(s, want):
+        with pytest.raises(ConfigError):
+            check_sequence(shorter, **split)
 
 
 def test_save_from_run_and_fine_tune(tmp_path, reference):

@@ -56,7 +56,7 @@ def saved(tmp_path_factory):
     ckpt.close()  # waits for the asynchronous commit
     loss = float(trainer.engine.loss()(state.params, trainer.put_batch(batch)))
     return {"cfg": cfg, "dir": directory, "state": _numpy(state), "batch": batch, "loss": loss,
-            "padded": trainer.engine.padded_vocab, "trainer": trainer, "step_fn": step_fn,
+            "padded": trainer.engine.layout.padded_vocab, "trainer": trainer, "step_fn": step_fn,
             "live": state}
 
 
@@ -85,7 +85,7 @@ def test_restore_onto_another_mesh(saved, data, model):
     state, data_state = ckpt.restore(1, like=like)
     ckpt.close()
     assert data_state == DATA_STATE
-    padded = trainer.engine.padded_vocab
+    padded = trainer.engine.layout.padded_vocab
     assert padded != saved["padded"]  # the vocab rows really were resized
     for got, target in zip(jax.tree.leaves(state), jax.tree.leaves(like)):
         assert got.shape == target.shape and got.sharding == target.sharding

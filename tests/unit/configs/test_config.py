@@ -73,8 +73,8 @@ def test_attention_impl_xla_equals_default_and_cudnn_needs_a_gpu():
         cfg = config.load("tiny", [f"model.attention_impl={impl}", "parallel.data=4",
                                    "parallel.model=2"])
         eng = engine.build_engine(cfg)
-        params = eng.shard_params(testing.pad_params(engine.reference_params(cfg), eng))
-        losses.append(float(eng.loss()(params, eng.shard_batch(batch))))
+        params = eng.layout.shard_params(testing.pad_params(engine.reference_params(cfg), eng))
+        losses.append(float(eng.loss()(params, eng.layout.shard_batch(batch))))
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
     with pytest.raises(ConfigError, match="attention_impl=cudnn needs NVIDIA GPUs"):
         engine.build_engine(config.load("tiny", ["model.attention_impl=cudnn"]))

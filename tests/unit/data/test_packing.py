@@ -64,20 +64,20 @@ def test_changing_one_document_leaves_the_others_losses_and_gradients_unchanged(
     cfg = jaxtp.config("tiny", {**BASE, **LAYOUTS[name]})
     eng = engine.build_engine(cfg, _devices(LAYOUTS[name]))
     ref = engine.reference_params(cfg)
-    params = eng.shard_params(pad_params(ref, eng))
+    params = eng.layout.shard_params(pad_params(ref, eng))
     step = eng.loss_and_grad()
     batch = packed_batch(cfg, seed=3)
     assert (batch["segment_ids"].max(axis=1) >= 2).all()  # every row holds >= 2 documents
-    loss, grads = step(params, eng.shard_batch(_only_later_docs(batch)))
-    loss2, grads2 = step(params, eng.shard_batch(_only_later_docs(_doc_a_changed(batch))))
+    loss, grads = step(params, eng.layout.shard_batch(_only_later_docs(batch)))
+    loss2, grads2 = step(params, eng.layout.shard_batch(_only_later_docs(_doc_a_changed(batch))))
     np.testing.assert_allclose(loss2, loss, **TOL)
     assert_trees_close(grads2, grads, **TOL)
     # ... and it is the single-device reference's (the whole packed batch's loss and grads)
     # (the mean over the whole batch's counted tokens, however it is cut into micro-batches)
     ref_loss, ref_grads = reference_loss_and_grad(cfg, ref, batch)
-    loss, grads = step(params, eng.shard_batch(batch))
+    loss, grads = step(params, eng.layout.shard_batch(batch))
     np.testing.assert_allclose(loss, ref_loss, **TOL)
-    assert_trees_close(unpad(eng.natural_layers(grads), ref_grads), ref_grads, **TOL)
+    assert_trees_close(unpad(eng.layout.natural_layers(grads), ref_grads), ref_grads, **TOL)
 
 
 def test_without_segment_ids_the_first_document_leaks_into_the_others():
@@ -85,7 +85,7 @@ def test_without_segment_ids_the_first_document_leaks_into_the_others():
     document boundaries, so the leakage test above can fail."""
     cfg = jaxtp.config("tiny", BASE)
     eng = engine.build_engine(cfg, jax.devices()[:1])
-    params = eng.shard_params(pad_params(engine.reference_params(cfg), eng))
+    params = eng.layout.shard_params(pad_params(engine.reference_params(cfg), eng))
     loss_fn = eng.loss()
 
     def unsegmented(b):
@@ -94,8 +94,8 @@ def test_without_segment_ids_the_first_document_leaks_into_the_others():
     batch = packed_batch(cfg, seed=3)
     b1, b2 = unsegmented(batch), unsegmented(_doc_a_changed(batch))
     b1["segment_ids"] = b2["segment_ids"] = np.ones_like(batch["segment_ids"])
-    assert abs(float(loss_fn(params, eng.shard_batch(b1))) -
-               float(loss_fn(params, eng.shard_batch(b2)))) > 1e-3
+    assert abs(float(loss_fn(params, eng.layout.shard_batch(b1))) -
+               float(loss_fn(params, eng.layout.shard_batch(b2)))) > 1e-3
 
 
 def test_a_packed_document_scores_as_it_does_alone():

@@ -106,7 +106,7 @@ def test_loss_never_moves_logits(mode):
     cfg = config.load("tiny", [f"parallel.mode={mode}", f"parallel.data={DATA}",
                                f"parallel.model={MODEL}", "model.vocab_size=2048"])
     eng = engine.build_engine(cfg)
-    local_logits = (B // DATA) * S * (eng.padded_vocab // MODEL) * 4
+    local_logits = (B // DATA) * S * (eng.layout.padded_vocab // MODEL) * 4
     r = inspect.report(eng)
     assert local_logits > 4 * (B // DATA) * S * H * 4  # the check below can tell them apart
     for op in r.ops:
@@ -167,7 +167,7 @@ def test_param_table_flags_a_mis_sharded_parameter():
     assert w_up["bytes"] == w_up["ideal_bytes"] == 2 * 64 * 2 * 256 * 4 / 4
     bad_specs = jax.tree_util.tree_map_with_path(
         lambda path, s: jax.sharding.PartitionSpec() if "w_up" in jax.tree_util.keystr(path)
-        else s, eng.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        else s, eng.layout.param_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     bad = inspect.param_table(eng, bad_specs)
     assert bad[0]["param"] == "blocks.mlp.w_up" and bad[0]["flagged"]
     assert bad[0]["bytes"] == 4 * bad[0]["ideal_bytes"]

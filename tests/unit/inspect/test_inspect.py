@@ -191,7 +191,7 @@ def test_tracebacks_reach_the_caller():
     runs from its operator out to this test."""
     eng = engine.build_engine(config.load("tiny", ["parallel.mode=explicit", *TP_MESH]))
     text = inspect.compile_step(eng, "loss").as_text()
-    ops = hlo.collectives(text, mesh_shape(eng.mesh))
+    ops = hlo.collectives(text, mesh_shape(eng.layout.mesh))
     # the embedding's g: the one [b_local, s, d] all-reduce outside the layer loop
     (embed,) = [op for op in ops if op.executions == 1 and op.bytes == 4 * 64 * 64 * F32]
     frames = embed.parts[0].frames

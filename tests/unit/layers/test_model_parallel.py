@@ -32,7 +32,7 @@ def test_matches_reference(mode, data, model):
                          f"parallel.model={model}"])
     # the gradients come back in the parameters' Megatron shardings
     wqkv = grads["blocks"]["attn"]["w_qkv"][...]
-    assert wqkv.sharding.spec == eng.param_specs["blocks"]["attn"]["w_qkv"]
+    assert wqkv.sharding.spec == eng.layout.param_specs["blocks"]["attn"]["w_qkv"]
     if model > 1:
         assert wqkv.sharding.shard_shape(wqkv.shape)[2] == wqkv.shape[2] // model
 
@@ -62,7 +62,7 @@ def test_padding_never_changes_the_loss():
                                "model.vocab_pad_multiple=16"])
     eng = engine.build_engine(cfg)
     ref = engine.reference_params(cfg)
-    batch = eng.shard_batch(testing.random_batch(cfg))
+    batch = eng.layout.shard_batch(testing.random_batch(cfg))
     clean = testing.pad_params(ref, eng)
     noisy = jax.tree.map(lambda x: x, clean)
     for path in (("embed", "table"), ("head", "w")):
@@ -71,18 +71,18 @@ def test_padding_never_changes_the_loss():
         v[rows] = 5.0
         noisy[path[0]][path[1]].set_value(v)
     loss_fn = eng.loss()
-    np.testing.assert_allclose(loss_fn(eng.shard_params(noisy), batch),
-                               loss_fn(eng.shard_params(clean), batch), rtol=1e-6)
+    np.testing.assert_allclose(loss_fn(eng.layout.shard_params(noisy), batch),
+                               loss_fn(eng.layout.shard_params(clean), batch), rtol=1e-6)
 
 
 def test_sharded_init_places_params_without_gathering():
     cfg = config.load("tiny", ["parallel.data=2", "parallel.model=4"])
     eng = engine.build_engine(cfg)
-    params = eng.init_params()
+    params = eng.layout.init_params()
     w_down = params["blocks"]["mlp"]["w_down"][...]
-    assert w_down.sharding.spec == eng.param_specs["blocks"]["mlp"]["w_down"]
+    assert w_down.sharding.spec == eng.layout.param_specs["blocks"]["mlp"]["w_down"]
     assert w_down.addressable_shards[0].data.shape == (2, 256 // 4, 64)
-    loss = eng.loss()(params, eng.shard_batch(testing.random_batch(cfg)))
+    loss = eng.loss()(params, eng.layout.shard_batch(testing.random_batch(cfg)))
     # a freshly initialised model predicts close to uniform: loss ~ log(vocab)
     assert abs(float(loss) - np.log(256)) < 0.1
 
@@ -103,8 +103,8 @@ def test_bf16_compute_keeps_fp32_master_weights_and_loss(mode):
     batch = testing.random_batch(cfg)
     fp32 = config.load("tiny", ["parallel.data=2", "parallel.model=4"])
     ref_loss, _ = testing.reference_loss_and_grad(fp32, ref_params, batch)
-    loss, grads = eng.loss_and_grad()(eng.shard_params(testing.pad_params(ref_params, eng)),
-                                      eng.shard_batch(batch))
+    loss, grads = eng.loss_and_grad()(eng.layout.shard_params(testing.pad_params(ref_params, eng)),
+                                      eng.layout.shard_batch(batch))
     assert loss.dtype == np.float32
     assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype(np.float32)}
     # bf16 has 8 mantissa bits: ~1e-2 relative error on the logits, far less on a mean loss

@@ -54,8 +54,8 @@ def _check(mode, overrides, *, microbatches=1):
     parts = [ref_fn(ref_params, jax.tree.map(lambda x, k=k: x[k::microbatches], batch))
              for k in range(microbatches)]
     ref_loss, ref_grads = jax.tree.map(lambda *xs: sum(xs) / microbatches, *parts)
-    params = eng.shard_params(testing.pad_params(ref_params, eng))
-    loss, grads, metrics = eng.loss_grad_and_metrics()(params, eng.shard_batch(batch))
+    params = eng.layout.shard_params(testing.pad_params(ref_params, eng))
+    loss, grads, metrics = eng.loss_grad_and_metrics()(params, eng.layout.shard_batch(batch))
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     testing.assert_trees_close(testing.unpad(grads, ref_grads), ref_grads, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(metrics["lm_loss"] + metrics["aux_loss"], loss, rtol=1e-6)
@@ -79,8 +79,8 @@ def test_matches_single_device(mode, overrides):
     eng, grads = _check(mode, overrides)
     # the experts live split over `expert`, and their gradients come back that way
     w_up = grads["blocks"]["moe"]["w_up"][...]
-    assert w_up.sharding.spec == eng.param_specs["blocks"]["moe"]["w_up"]
-    assert w_up.sharding.shard_shape(w_up.shape)[1] == E // eng.degrees["expert"]
+    assert w_up.sharding.spec == eng.layout.param_specs["blocks"]["moe"]["w_up"]
+    assert w_up.sharding.shard_shape(w_up.shape)[1] == E // eng.layout.degrees["expert"]
 
 
 def test_microbatches_fsdp_and_context():
@@ -141,7 +141,8 @@ def test_errors_before_compile(overrides, match):
 def test_param_count_counts_the_experts(every):
     cfg = config.load("tiny", [*MOE, f"model.moe_every={every}", "model.n_layers=4"])
     eng = engine.build_engine(cfg)  # vocab 256 needs no padding at TP = 1
-    assert sum(v.size for v in jax.tree.leaves(eng.abstract_params)) == cfg.model.param_count()
+    n_params = sum(v.size for v in jax.tree.leaves(eng.layout.abstract_params))
+    assert n_params == cfg.model.param_count()
     dense = config.load("tiny", ["model.n_layers=4"]).model.param_count()
     mlp = 3 * cfg.model.d_model * cfg.model.d_ff
     moe_layers = 4 // every

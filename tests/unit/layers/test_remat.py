@@ -33,8 +33,8 @@ def test_policy_matches_single_device(mode, remat, extra):
     batch = testing.random_batch(cfg)
     ref_loss, ref_grads = testing.reference_loss_and_grad(
         config.load("tiny", ["parallel.data=1", "parallel.model=1"]), ref_params, batch)
-    params = eng.shard_params(testing.pad_params(ref_params, eng))
-    loss, grads = eng.loss_and_grad()(params, eng.shard_batch(batch))
+    params = eng.layout.shard_params(testing.pad_params(ref_params, eng))
+    loss, grads = eng.loss_and_grad()(params, eng.layout.shard_batch(batch))
     np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
     testing.assert_trees_close(testing.unpad(grads, ref_grads), ref_grads, rtol=RTOL, atol=ATOL)
 
@@ -71,7 +71,7 @@ def _model_all_reduce_bytes(mode, remat, *extra):
     eng = engine.build_engine(cfg)
     params, batch = eng.abstract_inputs()
     text = eng.loss_and_grad().lower(params, batch).compile().as_text()
-    return sum(o.total_bytes for o in hlo.collectives(text, mesh_shape(eng.mesh))
+    return sum(o.total_bytes for o in hlo.collectives(text, mesh_shape(eng.layout.mesh))
                if o.kind == "all-reduce" and o.axes == ("model",))
 
 

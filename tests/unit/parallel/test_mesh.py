@@ -4,7 +4,8 @@ import pytest
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
 from jaxtp.configs.schema import ConfigError, ParallelConfig
-from jaxtp.parallel.mesh import AXES, build_mesh, resolve_degrees
+from jaxtp.configs import AXES
+from jaxtp.parallel.mesh import build_mesh, resolve_degrees
 
 
 def test_axes_order_model_innermost():

@@ -72,9 +72,9 @@ def test_trajectory_equals_stage_0(stage0, mode, overrides):
     # the state really is laid out as the stage says
     eng = trainer.engine
     wqkv = state.params["blocks"]["attn"]["w_qkv"][...]
-    assert wqkv.sharding.spec == eng.param_specs["blocks"]["attn"]["w_qkv"]
+    assert wqkv.sharding.spec == eng.layout.param_specs["blocks"]["attn"]["w_qkv"]
     mu = state.opt_state[1][0].mu["blocks"]["attn"]["w_qkv"][...]
-    assert zero_axes_of(mu.sharding.spec)[1] == eng.zero.moments != ()
+    assert zero_axes_of(mu.sharding.spec)[1] == eng.layout.zero.moments != ()
 
 
 @pytest.mark.parametrize("mode", ["gspmd", "explicit"])
@@ -87,7 +87,7 @@ def test_loss_and_grads_match_single_device(mode, overrides):
     cfg = _cfg(f"parallel.mode={mode}", *overrides)
     eng, *_, grads = testing.assert_matches_reference(cfg, rtol=RTOL, atol=ATOL)
     for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(
-            eng.grad_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+            eng.layout.grad_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
         assert g.sharding.spec == spec
 
 
@@ -99,7 +99,7 @@ def _shard_bytes(abstract, shardings) -> int:
 
 def _tp_param_count(eng) -> float:
     """Parameters per device under tensor parallelism alone (Psi / t for the TP-split tensors)."""
-    return _shard_bytes(eng.abstract_params, named(eng.mesh, eng.tp_specs)) / 4
+    return _shard_bytes(eng.layout.abstract_params, named(eng.layout.mesh, eng.layout.tp_specs)) / 4
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -126,7 +126,7 @@ def _all_ops(overrides, mode="gspmd", *, data=8, model=1):
     eng = engine.build_engine(cfg)
     params, batch = eng.abstract_inputs()
     text = eng.loss_and_grad().lower(params, batch).compile().as_text()
-    return hlo.collectives(text, mesh_shape(eng.mesh)), _tp_param_count(eng) * 4
+    return hlo.collectives(text, mesh_shape(eng.layout.mesh)), _tp_param_count(eng) * 4
 
 
 def _data_ops(overrides, mode="gspmd", **degrees):
@@ -173,7 +173,7 @@ def test_zero3_with_tp_gathers_each_tp_shard_in_both_modes():
                                 "parallel.zero_stage=3"))
         params, batch = eng.abstract_inputs()
         text = eng.loss_and_grad().lower(params, batch).compile().as_text()
-        ops[mode] = hlo.collectives(text, mesh_shape(eng.mesh))
+        ops[mode] = hlo.collectives(text, mesh_shape(eng.layout.mesh))
     for kind in ("all-gather", "reduce-scatter"):
         on_data = {m: _bytes(o, kind, lambda o: o.axes == ("data",)) for m, o in ops.items()}
         assert on_data["gspmd"] == on_data["explicit"] > 0, kind

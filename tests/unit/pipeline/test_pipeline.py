@@ -15,6 +15,7 @@ from jaxtp.parallel import collectives
 from jaxtp.inspect import hlo
 from jaxtp.pipeline import schedules
 from jaxtp import pipeline as pl
+from jaxtp.configs import PIPELINE_SCHEDULES
 from jaxtp.configs.schema import ParallelConfig
 from jaxtp.parallel.mesh import build_mesh
 from jaxtp.pipeline.schedules import ScheduleError
@@ -72,7 +73,7 @@ def _mesh(p, **others):
 
 
 CASES = [(name, p, m, 2 if name == "interleaved" else 1)
-         for name in schedules.SCHEDULES
+         for name in PIPELINE_SCHEDULES
          for p in (2, 4) for m in (p, 2 * p)]
 
 
@@ -141,7 +142,7 @@ def test_buffer_slots(m):
     def prog(name, v=1, mb=m, residuals=True):
         return pl.compile_schedule(schedules.build_schedule(name, p, mb, v), residuals=residuals)
     assert (prog("gpipe").res_slots, prog("gpipe").act_slots) == (m, 1)
-    # 1F1B: 2p - 2 on rank 0 keep the lock-step ticks busy (pipeline_program.in_flight_cap)
+    # 1F1B: 2p - 2 on rank 0 keep the lock-step ticks busy (pipeline.program.in_flight_cap)
     assert (prog("1f1b").res_slots, prog("1f1b").act_slots) == (min(2 * p - 2, m), 1)
     assert prog("gpipe", residuals=False).act_slots == m
     assert prog("1f1b", residuals=False).act_slots == min(2 * p - 3, m)  # rank 1: stage 0 reads

@@ -10,7 +10,7 @@ import numpy as np
 from jaxtp.configs import schema as config
 from jaxtp.step import engine
 from jaxtp.step import pipelined as pipelined_step
-from jaxtp.pipeline import stage_residuals
+from jaxtp.pipeline import runtime
 from jaxtp.pipeline import weight_grad
 
 D, F, LAYERS, B, S = 64, 256, 2, 2, 16
@@ -23,7 +23,7 @@ def _stage():
     eng = engine.build_engine(cfg, jax.devices()[:1])
     parts = pipelined_step._Parts(eng.layout, eng.region, manual=False)
     rope = parts.rope(jnp.broadcast_to(jnp.arange(S), (B, S)))
-    return cfg, eng.init_params()["blocks"], (lambda pc, x: parts.stage(pc, x, rope))
+    return cfg, eng.layout.init_params()["blocks"], (lambda pc, x: parts.stage(pc, x, rope))
 
 
 def test_split_backward_equals_joint_and_hands_w_only_matmul_operands():
@@ -32,11 +32,11 @@ def test_split_backward_equals_joint_and_hands_w_only_matmul_operands():
     g = jax.random.normal(jax.random.key(1), (B, S, D))
     with weight_grad.splitting(True):
         _, vjp = jax.vjp(stage, blocks, x)
-    recipe, kept = stage_residuals.split_vjp(vjp, blocks)
+    recipe, kept = runtime.split_vjp(vjp, blocks)
     leaves, treedef = jax.tree_util.tree_flatten(vjp)
     sp = weight_grad.split(
         lambda lv, g: jax.tree.leaves(jax.tree_util.tree_unflatten(treedef, lv)(g)), leaves, g)
-    known, handoff = weight_grad.run_known(sp, stage_residuals.vjp_leaves(recipe, blocks, kept),
+    known, handoff = weight_grad.run_known(sp, runtime.vjp_leaves(recipe, blocks, kept),
                                            g)
     unknown = weight_grad.run_unknown(sp, handoff, [leaves[i] for i in sp.markers])
     split = [k if u is None else u for k, u in zip(known, unknown)]

@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxtp.configs import AXES
 from jaxtp.configs import schema as config
 from jaxtp.planner import cost_model
 from jaxtp.step import engine
@@ -129,10 +130,11 @@ def test_memory_prediction_matches_the_compiled_step():
     for over in VERIFY:
         cfg = config.load("tiny", over)
         p, t = cfg.parallel, cfg.train
-        lo = cost_model.Layout(data=p.data, fsdp=p.fsdp, model=p.model, zero_stage=p.zero_stage,
-                               remat=p.remat, microbatches=t.microbatches, pipeline=p.pipeline,
-                               pipeline_schedule=p.pipeline_schedule,
-                               virtual_stages=p.virtual_stages)
+        lo = cost_model.Candidate(data=p.data, fsdp=p.fsdp, model=p.model,
+                                  zero_stage=p.zero_stage, remat=p.remat,
+                                  microbatches=t.microbatches, pipeline=p.pipeline,
+                                  pipeline_schedule=p.pipeline_schedule,
+                                  virtual_stages=p.virtual_stages)
         ests.append((cfg, cost_model.Estimate(layout=lo, memory={}, time={}, n_devices=8,
                                         peak_flops=1.0, model_flops=1.0)))
     for cfg, est in ests:
@@ -190,7 +192,7 @@ def test_activation_model_is_what_autodiff_saves(extra, remats):
         if remat == "none" and s.compute_bytes != s.param_bytes:  # compute-dtype weight copies
             want += s.compute_bytes * (s.layer_params(1, 1) - 2 * s.d_model)
         assert abs(want / per_layer - 1) < 0.02, (remat, want, per_layer)
-        predicted = memory_model.memory(s, cost_model.Layout(remat=remat))["activations"]
+        predicted = memory_model.memory(s, cost_model.Candidate(remat=remat))["activations"]
         assert abs(predicted / total - 1) < 0.03, (remat, predicted, total)
 
 
@@ -215,7 +217,7 @@ def test_cli_json_parses_and_is_sorted(tmp_path):
                 "pipeline_schedule", "virtual_stages", "microbatches", "memory_bytes",
                 "step_time_s", "mfu", "exposed_comm_fraction"} <= set(row)
         assert row["memory_bytes"] <= 0.85 * 80e9 and 0 < row["mfu"] < 1
-        assert math.prod(row[a] for a in cost_model.AXES) == 64
+        assert math.prod(row[a] for a in AXES) == 64
 
 
 def test_cli_pins_and_errors(capsys):

@@ -156,17 +156,18 @@ def test_trained_step_equals_unpipelined_and_checkpoints_move_between_layouts(tm
         state, _ = trainer.step_fn(state)(state, trainer.put_batch(testing.random_batch(cfg)))
         results[name] = trainer, state
     trainer, state = results["piped"]
-    natural = jax.tree.map(np.asarray, trainer.engine.natural_layers(state))
+    natural = jax.tree.map(np.asarray, trainer.engine.layout.natural_layers(state))
     testing.assert_trees_close(natural.params, jax.tree.map(np.asarray, results["flat"][1].params),
                                rtol=1e-4, atol=1e-5)  # a peak-lr Adam step: see test_zero
 
-    ckpt = Checkpointer(tmp_path, keep=1, cfg=piped, layer_order=trainer.engine.natural_layers)
+    ckpt = Checkpointer(tmp_path, keep=1, cfg=piped,
+                        layer_order=trainer.engine.layout.natural_layers)
     ckpt.save(1, state, data_state={"step": 1})
     ckpt.close()
     for target, want in ((Trainer(_cfg(*base, "parallel.data=8")), natural),
                          (trainer, jax.tree.map(np.asarray, state))):
         testing.assert_restores(tmp_path, 1, target, want,
-                                layer_order=target.engine.natural_layers)
+                                layer_order=target.engine.layout.natural_layers)
 
 
 def test_eval_loss_through_the_pipeline():
@@ -196,8 +197,9 @@ def test_each_rank_holds_its_stage_of_the_layers():
     """The memory point of a pipeline: a rank holds ``1/p`` of every stacked layer parameter
     (the embedding and head stay replicated over ``pipeline``)."""
     eng = engine.build_engine(_cfg(*_pipe("1f1b", 4, 4), "parallel.data=2"))
-    blocks = zip(jax.tree.leaves(eng.abstract_params["blocks"]),
-                 jax.tree.leaves(eng.param_shardings["blocks"]))
+    blocks = zip(jax.tree.leaves(eng.layout.abstract_params["blocks"]),
+                 jax.tree.leaves(eng.layout.param_shardings["blocks"]))
     for var, sharding in blocks:
         assert sharding.shard_shape(var.shape) == (var.shape[0] // 4, *var.shape[1:])
-    assert all("pipeline" not in str(s.spec) for s in jax.tree.leaves(eng.param_shardings["embed"]))
+    embed = jax.tree.leaves(eng.layout.param_shardings["embed"])
+    assert all("pipeline" not in str(s.spec) for s in embed)

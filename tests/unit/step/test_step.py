@@ -23,22 +23,22 @@ def test_value_and_grad_returns_loss_grads_metrics(over):
     cfg = config.load("tiny", BASE + over)
     eng = engine.build_engine(cfg)
     ref = engine.reference_params(cfg)
-    params = eng.shard_params(testing.pad_params(ref, eng))
-    batch = eng.shard_batch(testing.random_batch(cfg))
+    params = eng.layout.shard_params(testing.pad_params(ref, eng))
+    batch = eng.layout.shard_batch(testing.random_batch(cfg))
     loss, grads, metrics = jax.jit(eng.value_and_grad_fn())(params, batch)
     assert metrics == {}
     want_loss, want_grads = testing.reference_loss_and_grad(cfg, ref, batch)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
-    testing.assert_trees_close(testing.unpad(eng.natural_layers(grads), ref), want_grads,
+    testing.assert_trees_close(testing.unpad(eng.layout.natural_layers(grads), ref), want_grads,
                                rtol=2e-4, atol=2e-5)
 
 
 def test_moe_metrics_come_with_the_step():
     cfg = config.load("tiny-moe", BASE + ["parallel.expert=2", "parallel.data=4"])
     eng = engine.build_engine(cfg)
-    params = eng.init_params()
+    params = eng.layout.init_params()
     loss, _, metrics = jax.jit(eng.value_and_grad_fn())(
-        params, eng.shard_batch(testing.random_batch(cfg)))
+        params, eng.layout.shard_batch(testing.random_batch(cfg)))
     assert {"lm_loss", "aux_loss", "dropped_fraction", "expert_load"} <= set(metrics)
     np.testing.assert_allclose(float(metrics["lm_loss"] + metrics["aux_loss"]), float(loss),
                                rtol=1e-6)
@@ -50,11 +50,11 @@ def test_pipelined_eval_runs_forward_only():
     over = ["parallel.pipeline=2", "parallel.data=4", "train.microbatches=2"]
     piped = engine.build_engine(config.load("tiny", BASE + over))
     flat = engine.build_engine(config.load("tiny", BASE + ["parallel.data=8"]))
-    cfg = piped.cfg
+    cfg = piped.layout.cfg
     ref = engine.reference_params(cfg)
     batch = testing.random_batch(cfg)
-    loss = piped.loss()(piped.shard_params(testing.pad_params(ref, piped)),
-                        piped.shard_batch(batch))
+    loss = piped.loss()(piped.layout.shard_params(testing.pad_params(ref, piped)),
+                        piped.layout.shard_batch(batch))
     np.testing.assert_allclose(float(loss), float(engine.reference_loss_fn(cfg)(ref, batch)),
                                rtol=1e-5)
 
@@ -75,9 +75,9 @@ def test_pipelined_eval_census_is_one_forward(mode):
     over = ["parallel.pipeline=2", "parallel.data=2", "parallel.model=2", f"parallel.mode={mode}",
             "train.microbatches=2", "model.n_layers=4"]
     eng = engine.build_engine(config.load("tiny", BASE + over))
-    cfg = eng.cfg
+    cfg = eng.layout.cfg
     text = eng.loss().lower(*eng.abstract_inputs()).compile().as_text()
-    ops = hlo.collectives(text, dict(eng.mesh.shape),
+    ops = hlo.collectives(text, dict(eng.layout.mesh.shape),
                           pipelined_step.forward_branch_weights(eng.layout))
     b_local = cfg.train.batch_size // 2
     act = b_local * cfg.train.seq_len * cfg.model.d_model * 4
@@ -90,6 +90,7 @@ def test_pipelined_eval_census_is_one_forward(mode):
     assert not [op for op in ops if "data" in op.axes and op.bytes >= act]  # no activation sync
     ref = engine.reference_params(cfg)
     batch = testing.random_batch(cfg)
-    loss = eng.loss()(eng.shard_params(testing.pad_params(ref, eng)), eng.shard_batch(batch))
+    loss = eng.loss()(eng.layout.shard_params(testing.pad_params(ref, eng)),
+                      eng.layout.shard_batch(batch))
     np.testing.assert_allclose(float(loss), float(engine.reference_loss_fn(cfg)(ref, batch)),
                                rtol=1e-5)
