@@ -34,7 +34,6 @@ from jaxtp.parallel import from_layout, mark_data_parallel, sync_grads
 from jaxtp.step.layout import Batch, Layout
 from jaxtp.step.region import Region
 
-
 # ----------------------------------------------------------------------------------------------
 # The step loss: a mean over tokens (both steps, pipelined or not, and the reference)
 # ----------------------------------------------------------------------------------------------
