@@ -1,14 +1,14 @@
 """Execute the tutorial notebooks and write their outputs back into the files.
 
-    .venv/bin/python scripts/run_notebooks.py                  # all six, in order
-    .venv/bin/python scripts/run_notebooks.py notebooks/02_zero.ipynb   # just these
+    .venv/bin/python scripts/run_notebooks.py                            # all six, in order
+    .venv/bin/python scripts/run_notebooks.py notebooks/02_zero.ipynb    # only the ones named
 
 Each notebook runs top to bottom, in place, with nbclient in a kernel of the Python that runs
-this script (so the venv's jaxtp, whatever ``python`` is first on PATH), from the ``notebooks/``
-directory, on 8 simulated CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``,
-``JAX_PLATFORMS=cpu``, which each notebook's first cell also asks for). Notebooks run one
-after another in name order, never in parallel. A cell that raises stops the run and leaves that
-notebook's file as it was.
+this script (``sys.executable``: the venv's jaxtp, not whichever ``python`` is first on PATH),
+from the ``notebooks/`` directory, on 8 simulated CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``, which each notebook's
+first cell also asks for). Notebooks run one after another in name order, never in parallel.
+A cell that raises stops the run and leaves that notebook's file as it was.
 
 What is written is kept small and stable, so a re-run shows a small diff: no execution timing
 metadata (``record_timing=False``), consecutive prints merged into one stream output (the kernel
@@ -30,6 +30,7 @@ import nbformat
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 from traitlets import default
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +87,10 @@ def run(path: Path) -> tuple[float, int]:
                             extra_arguments=["--log-level=ERROR"],  # not the TCP warning
                             resources={"metadata": {"path": str(path.parent)}})
     start = time.perf_counter()
-    client.execute()
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        raise SystemExit(f"{path.name}: a cell failed, the file is left as it was\n{e}") from None
     seconds = time.perf_counter() - start
     for cell in nb.cells:
         cell.metadata.pop("execution", None)  # older runs may have left timing behind
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     paths = sorted(p.resolve() for p in args.notebooks) or sorted(NOTEBOOKS.glob("*.ipynb"))
     for p in paths:
         if p.suffix != ".ipynb" or not p.is_file():
-            raise SystemExit(f"{p}: not a notebook file; pass paths like "
+            why = "no such file" if not p.exists() else "not a .ipynb file"
+            raise SystemExit(f"{p}: {why}; pass notebooks such as "
                              f"notebooks/01_tensor_parallelism.ipynb")
     with tempfile.TemporaryDirectory() as tmp:
         _environment(Path(tmp))
