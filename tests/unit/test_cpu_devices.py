@@ -18,7 +18,7 @@ jaxtp.use_cpu_devices(8)
 import jax
 cfg = jaxtp.config("tiny", {"parallel.data": 2, "parallel.model": 4})
 model = jaxtp.Model(cfg, seed=0)
-print(len(jax.devices()), jax.devices()[0].platform, dict(model.engine.mesh.shape)["model"])
+print(len(jax.devices()), jax.devices()[0].platform, dict(model.engine.layout.mesh.shape)["model"])
 """
 STARTED = """
 import jax, jax.numpy as jnp
