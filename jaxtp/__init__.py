@@ -12,8 +12,8 @@ command runs before anything else — does not import JAX.
 import importlib
 
 __version__ = "0.1.0"
-_FROM = {"Config": "jaxtp.api", "ConfigError": "jaxtp.api", "Model": "jaxtp.api",
-         "Trainer": "jaxtp.api", "run_config": "jaxtp.api",
+_FROM = {"Config": "jaxtp.configs", "ConfigError": "jaxtp.configs", "Model": "jaxtp.api",
+         "Trainer": "jaxtp.train", "run_config": "jaxtp.api",
          "prepare_data": "jaxtp.data.prepare_data", "config": "jaxtp.configs",
          "use_cpu_devices": "jaxtp.parallel"}
 _DEFINED_AS = {"prepare_data": "prepare", "config": "configure"}

@@ -36,7 +36,6 @@ from jaxtp.configs import CONTEXT, MODEL, Config, ConfigError, apply_overrides, 
 from jaxtp.parallel import batch_shards, padded_seq_len
 from jaxtp.serve import Generator, SamplerArgs
 from jaxtp.step import Engine, build_engine
-from jaxtp.train import Trainer
 
 
 def _text(value) -> str:
@@ -234,4 +233,4 @@ def _pad_vocab(params: nnx.State, engine: Engine) -> nnx.State:
     return jax.tree.map(pad, params, engine.layout.abstract_params)
 
 
-__all__ = ["Config", "ConfigError", "Model", "Trainer", "run_config"]
+__all__ = ["Model", "run_config"]
