@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from jaxtp.configs import (
     validate_model,
     validate_settings,
 )
-from jaxtp.parallel import distributed, use_cpu_devices
+from jaxtp.parallel import distributed, prepare_cpu_runtime, use_cpu_devices
 from jaxtp.train import TrainingDiverged
 
 ALIASES = """\
@@ -243,19 +244,25 @@ def _train_config(args):
 SIMULATED_DEVICES = 8
 
 
-def _use_devices(n: int | None) -> None:
+def _use_devices(n: int | None, step_timeout_s: float | None = None) -> None:
     """``--devices N``: N simulated CPU devices. Without it, the CPU backend still gets 8 (unless
     XLA_FLAGS sets a count), so a machine with no accelerator runs the 8-device mesh;
-    accelerators, when present, are used."""
+    accelerators, when present, are used. XLA:CPU's thread pool and collective timeouts are
+    set up for the count (:func:`jaxtp.parallel.prepare_cpu_runtime`; a train run's
+    ``train.step_timeout_s`` puts XLA's own abort behind jaxtp's watchdog)."""
+    forced = re.search(r"xla_force_host_platform_device_count=(\d+)",
+                       os.environ.get("XLA_FLAGS", ""))
+    count = n if n is not None else int(forced.group(1)) if forced else SIMULATED_DEVICES
+    prepare_cpu_runtime(count, step_timeout_s=step_timeout_s)
     if n is not None:
         use_cpu_devices(n)
-    elif "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    elif not forced:
         jax.config.update("jax_num_cpu_devices", SIMULATED_DEVICES)
 
 
-def _start_processes(args) -> None:
+def _start_processes(args, step_timeout_s: float | None = None) -> None:
     """The devices, and this process joined to the others (multi-process runs)."""
-    _use_devices(args.devices)
+    _use_devices(args.devices, step_timeout_s)
     distributed.initialize(coordinator=args.coordinator, num_processes=args.num_processes,
                            process_id=args.process_id, local_devices=args.devices)
 
@@ -264,7 +271,7 @@ def _train(args) -> int:
     from jaxtp.train import run
 
     cfg = _train_config(args)
-    _start_processes(args)
+    _start_processes(args, cfg.train.step_timeout_s)
     run(cfg)
     return 0
 

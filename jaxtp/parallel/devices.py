@@ -11,15 +11,74 @@ GPU / TPU support would otherwise train on the CPU without a word.
 
 from __future__ import annotations
 
+import functools
+import mmap
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import jax
 
 from jaxtp.configs import ConfigError
 
 FORCE_FLAG = "--xla_force_host_platform_device_count"
+# threads of XLA:CPU's intra-op pool per simulated device: a device can have several independent
+# collectives pending (the tick's permute and the tensor-parallel all-reduces of a pipelined
+# step) and the next step's may start before the last one's end
+POOL_THREADS_PER_DEVICE = 4
+WARN_STUCK_FLAG = "--xla_cpu_collective_call_warn_stuck_timeout_seconds"
+TERMINATE_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+
+
+def cpu_pool_threads(n_devices: int) -> int:
+    """The intra-op pool size :func:`prepare_cpu_runtime` asks for ``n_devices`` devices."""
+    return max(os.cpu_count() or 1, POOL_THREADS_PER_DEVICE * n_devices)
+
+
+@functools.cache
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA has the flag ``flag``: XLA aborts on an unknown XLA_FLAGS
+    entry, and these debug flags come and go between releases, so the shared libraries are
+    searched for its name before it is set."""
+    import jaxlib
+
+    needle = flag.lstrip("-").encode()
+    for lib in Path(jaxlib.__file__).parent.rglob("*.so"):
+        try:
+            if lib.stat().st_size < 1 << 24:  # XLA lives in the big one(s)
+                continue
+            with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(needle) >= 0:
+                    return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def prepare_cpu_runtime(n_devices: int, *, step_timeout_s: float | None = None,
+                        environ: dict | None = None) -> list[str]:
+    """Set up ``environ`` (``os.environ``) before JAX's CPU backend starts with ``n_devices``
+    simulated devices (see the module docstring): ``NPROC`` to :func:`cpu_pool_threads` unless
+    it is set already, and, when ``step_timeout_s`` is given, XLA:CPU's collective timeouts
+    behind it (XLA's "may be stuck" lines 60 s after it, its abort 120 s after it), so jaxtp's
+    watchdog ends a hang first, with its one line. A value already in ``XLA_FLAGS`` is kept. Returns what
+    it set, e.g. ``["NPROC=32"]``."""
+    env = os.environ if environ is None else environ
+    done = []
+    if n_devices > 1 and not env.get("NPROC"):
+        env["NPROC"] = str(cpu_pool_threads(n_devices))
+        done.append(f"NPROC={env['NPROC']}")
+    if step_timeout_s is not None and n_devices > 1:
+        flags = env.get("XLA_FLAGS", "")
+        for flag, seconds in ((WARN_STUCK_FLAG, int(step_timeout_s) + 60),
+                              (TERMINATE_FLAG, int(step_timeout_s) + 120)):
+            if flag not in flags and _xla_knows(flag):
+                flags = f"{flags} {flag}={seconds}".strip()
+                done.append(f"{flag}={seconds}")
+        if flags:
+            env["XLA_FLAGS"] = flags
+    return done
 
 
 def use_cpu_devices(n: int) -> None:
@@ -30,6 +89,7 @@ def use_cpu_devices(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"use_cpu_devices({n!r}): the number of simulated CPU devices must be "
                           f"a whole number >= 1, e.g. jaxtp.use_cpu_devices(8)")
+    prepare_cpu_runtime(n)  # no effect once the backend has started, which the update detects
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:  # JAX refuses a new count once a backend has started

@@ -78,3 +78,49 @@ def test_accelerator_evidence():
     assert smi[:2] == ("an NVIDIA GPU", "nvidia-smi")
     tpu = accelerator_evidence(**{**none, "environ": {"TPU_ACCELERATOR_TYPE": "v5p-8"}})
     assert tpu[:2] == ("a TPU", "TPU_ACCELERATOR_TYPE is set") and "jax[tpu]" in tpu[2]
+
+
+# XLA:CPU's thread pool and collective timeouts (issue 37: the devices' collectives blocked every
+# thread of a 2-core host's pool, a deadlock that XLA ended with SIGABRT)
+
+def test_prepare_cpu_runtime_sizes_the_pool_and_puts_xla_aborts_behind_the_watchdog():
+    from jaxtp.parallel.devices import (
+        TERMINATE_FLAG,
+        WARN_STUCK_FLAG,
+        cpu_pool_threads,
+        prepare_cpu_runtime,
+    )
+
+    assert cpu_pool_threads(8) == max(os.cpu_count(), 32)
+    env = {}
+    done = prepare_cpu_runtime(8, step_timeout_s=300, environ=env)
+    assert env["NPROC"] == str(cpu_pool_threads(8))
+    assert env["XLA_FLAGS"].split() == [f"{WARN_STUCK_FLAG}=360", f"{TERMINATE_FLAG}=420"]
+    assert done == [f"NPROC={env['NPROC']}", *env["XLA_FLAGS"].split()]
+    again = dict(env)
+    assert prepare_cpu_runtime(8, step_timeout_s=300, environ=again) == [] and again == env
+    # what the user set is kept; one device needs none of it
+    mine = {"NPROC": "7", "XLA_FLAGS": f"--xla_dump_to=/tmp/x {TERMINATE_FLAG}=9"}
+    prepare_cpu_runtime(8, step_timeout_s=300, environ=mine)
+    assert mine["NPROC"] == "7"
+    assert mine["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/x", f"{TERMINATE_FLAG}=9",
+                                         f"{WARN_STUCK_FLAG}=360"]
+    single = {}
+    assert prepare_cpu_runtime(1, step_timeout_s=300, environ=single) == [] and single == {}
+
+
+def test_only_flags_this_xla_knows_are_set():
+    from jaxtp.parallel.devices import TERMINATE_FLAG, _xla_knows
+
+    assert _xla_knows(TERMINATE_FLAG)  # jax 0.10.2 has it; XLA aborts on an unknown flag
+    assert not _xla_knows("--xla_cpu_no_such_flag_jaxtp_made_up")
+
+
+def test_use_cpu_devices_sets_nproc_before_jax_starts():
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "NPROC")}
+    code = ("import os, jaxtp; jaxtp.use_cpu_devices(8); import jax; "
+            "print(os.environ['NPROC'], len(jax.devices()))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(max(os.cpu_count(), 32)), "8"]
