@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from jaxtp.configs import ConfigError
@@ -182,6 +183,10 @@ class Watchdog:
         self.timeout_s = float(timeout_s)
         self.stacks_path = Path(stacks_path) if stacks_path else None
         self.on_timeout = on_timeout
+        # set by the loop once the layout is known: ``context()`` -> "on pipeline=2 x ...; <what
+        # to try>", and where checkpoints are, to name the last good one
+        self.context: Callable[[], str] | None = None
+        self.checkpoints: Path | None = None
         self.step = 0
         self._beats = 0
         self._last = time.monotonic()
@@ -212,10 +217,19 @@ class Watchdog:
                     where = f"; Python stacks in {self.stacks_path}"
                 except OSError:
                     pass
+            context = ""
+            if self.context is not None:
+                try:
+                    context = " " + self.context()
+                except Exception:  # the error line must come out whatever else is broken
+                    pass
+            saved = last_saved_step(self.checkpoints)
+            kept = (f"; the last checkpoint, step {saved}, is kept: the same command resumes "
+                    f"from it" if saved is not None else "")
             print(f"\njaxtp: error: step {self.step} made no progress for {idle:.0f} s "
-                  f"(train.step_timeout_s={self.timeout_s:g}); a device or a peer process is "
-                  f"stuck, exiting with code {WATCHDOG_EXIT_CODE} so the job does not hang"
-                  f"{where}", file=sys.stderr, flush=True)
+                  f"(train.step_timeout_s={self.timeout_s:g}){context}; exiting with code "
+                  f"{WATCHDOG_EXIT_CODE} so the job does not hang{kept}{where}",
+                  file=sys.stderr, flush=True)
             try:
                 if self.on_timeout is not None:
                     self.on_timeout()
@@ -227,6 +241,30 @@ class Watchdog:
 
     def __exit__(self, *exc):
         self._stop.set()
+
+
+def last_saved_step(checkpoints: Path | None) -> int | None:
+    """The newest finished checkpoint step under ``checkpoints`` (orbax writes a step into a
+    temporary name and renames it when complete), read from the directory names alone: the
+    watchdog calls it while other threads may be stuck."""
+    try:
+        steps = [int(p.name) for p in Path(checkpoints).iterdir() if p.name.isdigit()]
+    except (OSError, TypeError):
+        return None
+    return max(steps, default=None)
+
+
+def hang_hint(*, layout: str, platform: str, processes: int, pool_threads: int,
+              nproc: str | None) -> str:
+    """What a stuck step's error line says to try, for the layout and where it runs."""
+    if platform == "cpu" and processes == 1:
+        pool = (f"NPROC={nproc} sets it" if nproc else "one thread per core")
+        return (f"on {layout} (simulated CPU devices): the devices' collectives wait in XLA:CPU's "
+                f"intra-op thread pool ({pool}); give it >= {pool_threads} threads "
+                f"(NPROC={pool_threads}, what jaxtp sets when NPROC is unset) or run fewer jobs "
+                f"beside it")
+    return (f"on {layout} over {processes} process(es): a device or a peer process is stuck; "
+            f"look at the other processes' logs (the first error there is the cause)")
 
 
 class _FirstLineOnly(logging.Filter):

@@ -12,6 +12,7 @@ over the devices' peak (:func:`jaxtp.train.flops.peak_flops`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtp.ckpt import restore_latest_good, write_run_config
 from jaxtp.configs import Config, check_run_files
 from jaxtp.data import loaders
-from jaxtp.parallel import cpu_fallback_warning
+from jaxtp.parallel import cpu_fallback_warning, cpu_pool_threads, describe_mesh
 from jaxtp.planner import fit_warning
 from jaxtp.step import build_engine
 from jaxtp.train import events, optim, run_guard
@@ -240,6 +241,11 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
         if warning := cpu_fallback_warning(devices):
             print(warning, file=sys.stderr, flush=True)
 
+    layout = describe_mesh(dict(eng.layout.degrees))
+    watchdog.checkpoints = out / "checkpoints"
+    watchdog.context = lambda: run_guard.hang_hint(
+        layout=layout, platform=devices[0].platform, processes=jax.process_count(),
+        pool_threads=cpu_pool_threads(len(jax.local_devices())), nproc=os.environ.get("NPROC"))
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg,
                         layer_order=trainer.engine.layout.natural_layers)
     state, start = _initial_state(trainer, ckpt, loader, log=is_main)

@@ -9,6 +9,7 @@ anything); signals, locks and the watchdog run ``python -m jaxtp`` as a user wou
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -315,6 +316,41 @@ def test_watchdog_ends_a_stalled_step(tmp_path):
     assert "step 3 made no progress for" in line and "train.step_timeout_s=3" in line
     assert "<string>\", line 10 in step" in (tmp_path / "run" / "watchdog-stacks.txt").read_text()
     assert not (tmp_path / "run" / "jaxtp.lock").exists()
+
+
+PIPELINE_EXAMPLE = ["model.n_layers=4", "parallel.pipeline=2", "parallel.model=2",
+                    "train.microbatches=4"]
+
+
+def test_a_real_collective_deadlock_is_one_line_and_the_run_resumes(tmp_path):
+    """Issue 37's deadlock made on purpose: XLA:CPU's intra-op pool cut to one thread
+    (NPROC=1), so the pipelined step's pending collectives block it. The watchdog ends the run
+    with one line naming the step, the layout, the fix and the kept checkpoint (no C++ abort:
+    XLA's own rendezvous timeouts now sit behind train.step_timeout_s); the lock is released;
+    the same command with the pool jaxtp sets resumes from that checkpoint."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jaxtp", "train", "--devices", "8", "--config", "tiny",
+           *PIPELINE_EXAMPLE, f"train.out_dir={out}", "train.checkpoint_every=1",
+           "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1"]
+    r = subprocess.run(cmd + ["train.steps=200", "train.step_timeout_s=15"],
+                       env=_env() | {"NPROC": "1"}, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 5, r.stderr[-2000:]
+    assert "rendezvous" not in r.stderr and "SIGABRT" not in r.stderr  # XLA never got to abort
+    errors = [x for x in r.stderr.splitlines() if x.startswith("jaxtp: error:")]
+    assert len(errors) == 1, r.stderr[-2000:]
+    step = int(re.search(r"step (\d+) made no progress", errors[0]).group(1))
+    assert 2 <= step < 200
+    assert "on pipeline=2 x data=2 x model=2 (simulated CPU devices)" in errors[0]
+    assert "NPROC=1 sets it" in errors[0] and "NPROC=32" in errors[0]
+    saved = re.search(r"the last checkpoint, step (\d+), is kept", errors[0])
+    assert not (out / "jaxtp.lock").exists()
+    resume_to = (int(saved.group(1)) if saved else 0) + 2
+    r = subprocess.run(cmd + [f"train.steps={resume_to}"], env=_env(), capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    if saved:
+        assert f"resuming from step {saved.group(1)}" in r.stdout
+    assert [x["step"] for x in _records(out)][-1] == resume_to
 
 
 # ----------------------------------------------------------------------------------------------
