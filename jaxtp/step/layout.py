@@ -139,13 +139,21 @@ class Layout:
 
     # ---- parameters ---------------------------------------------------------------------------
     def init_params(self, seed: int | None = None) -> nnx.State:
-        """Parameters created directly in their shardings (never materialised on one device)."""
+        """Parameters created directly in their shardings (never materialised on one device).
+        The same on every layout: the model is drawn at its own vocabulary and the rows (or
+        columns) a tensor-parallel degree pads the vocabulary with are zeros, as a restore onto
+        another degree pads them (issue 37: drawing the padded table made ``model=4``'s run
+        start from other weights than one device's)."""
         seed = self.cfg.train.seed if seed is None else seed
 
+        def pad(x, like):
+            return jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, like.shape)])
+
         def init():
-            model = Transformer(self.cfg.model, padded_vocab=self.padded_vocab,
+            model = Transformer(self.cfg.model, padded_vocab=self.cfg.model.vocab_size,
                                 rngs=nnx.Rngs(seed))
-            return self.to_pipeline_order(nnx.state(model))
+            state = jax.tree.map(pad, nnx.state(model), self.abstract_params)
+            return self.to_pipeline_order(state)
 
         return jax.jit(init, out_shardings=self.param_shardings)()
 

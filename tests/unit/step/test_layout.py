@@ -95,3 +95,24 @@ def test_scoring_layouts_skip_the_train_batch_rules():
         _layout(*over)
     lo = _layout(*over, training=False)
     assert dataclasses.asdict(lo.cfg.train)["microbatches"] == 3
+
+
+@pytest.mark.parametrize("over", [("parallel.model=4",), ("parallel.model=8",),
+                                  ("parallel.pipeline=2", "parallel.model=4",
+                                   "train.microbatches=2")])
+def test_initial_parameters_are_the_same_on_every_layout(over):
+    """Issue 37: ``model=4`` pads the 256-token vocabulary to 512; the padded table used to be
+    drawn whole, so a ``jaxtp train`` on that layout started from other weights than one device
+    (step-1 loss 5.5552 vs 5.5564). Now the model is drawn at its own vocabulary on every
+    layout and the padding is zeros."""
+    ref = jax.device_get(_layout("model.n_layers=4").init_params(seed=3))
+    lo = _layout("model.n_layers=4", *over)
+    got = jax.device_get(lo.natural_layers(lo.init_params(seed=3)))
+    padded = 0
+    for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(ref), jax.tree.leaves(got)):
+        want, have = np.asarray(want), np.asarray(have)
+        head = tuple(slice(0, n) for n in want.shape)
+        np.testing.assert_array_equal(have[head], want, err_msg=str(path))
+        assert np.abs(have).sum() == np.abs(have[head]).sum(), path  # the padding is zeros
+        padded += have.size > want.size
+    assert padded == 2  # the embedding table and the head
