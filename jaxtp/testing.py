@@ -10,6 +10,7 @@ Typical use (tests, notebooks)::
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -207,3 +208,233 @@ def kill_when_saved(cmd: list[str], env: dict, checkpoint: Path, timeout: float 
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+
+
+# ----------------------------------------------------------------------------------------------
+# The composition matrix (issue 37): every layout the validator accepts on 8 devices, run through
+# ``jaxtp train``'s real loop by tests/integration/test_composition_matrix.py (a covering subset)
+# and experiments/composition_matrix.py (all of them)
+# ----------------------------------------------------------------------------------------------
+
+MATRIX_AXES = ("pipeline", "data", "fsdp", "context", "expert", "model")
+MATRIX_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
+# the model and batch every matrix run shares (tiny widths; MoE layouts use tiny-moe with
+# capacity = every token, so that no layout drops a token another keeps)
+MATRIX_BASE = ("train.batch_size=16", "train.seq_len=32", "train.lr=1e-2", "train.warmup_steps=0",
+               "train.min_lr_ratio=1.0",  # a constant rate: the 4-step run and its resume to 6
+               # follow the 6-step reference's schedule
+               "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
+               "train.checkpoint_every=2", "train.keep_checkpoints=2", "train.tensorboard=false",
+               "data.eval_fraction=0.05")
+MATRIX_MOE = ("model.capacity_factor=0",)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixLayout:
+    """One layout of the composition matrix: the axes of degree > 1 and the ways of running it."""
+
+    degrees: tuple[tuple[str, int], ...]  # (axis, degree) for the axes of degree > 1
+    schedule: str | None = None  # pipelined layouts only
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    mode: str = "gspmd"
+
+    @property
+    def degree(self) -> dict[str, int]:
+        return {a: 1 for a in MATRIX_AXES} | dict(self.degrees)
+
+    @property
+    def moe(self) -> bool:
+        return self.degree["expert"] > 1
+
+    @property
+    def n_layers(self) -> int:
+        """Enough layers for every stage (and virtual stage) to hold one or more."""
+        p = self.degree["pipeline"]
+        return max(4, p * (2 if self.schedule == "interleaved" else 1))
+
+    def preset(self) -> str:
+        return "tiny-moe" if self.moe else "tiny"
+
+    def model_overrides(self) -> list[str]:
+        """What the layout's one-device reference shares with it (the model and the batch)."""
+        return [*MATRIX_BASE, f"model.n_layers={self.n_layers}", *(MATRIX_MOE if self.moe else ())]
+
+    def overrides(self) -> list[str]:
+        d = self.degree
+        out = self.model_overrides() + [f"parallel.{a}={d[a]}" for a in MATRIX_AXES]
+        if self.schedule:
+            out += [f"parallel.pipeline_schedule={self.schedule}",
+                    f"train.microbatches={2 * d['pipeline']}"]
+            if self.schedule == "interleaved":
+                out.append("parallel.virtual_stages=2")
+        if self.sequence_parallel:
+            out.append("parallel.sequence_parallel=true")
+        if self.zero_stage:
+            out.append(f"parallel.zero_stage={self.zero_stage}")
+        return out + [f"parallel.mode={self.mode}"]
+
+    def features(self) -> frozenset[str]:
+        """What the covering subset must pair up: each axis in use, the schedule, SP, the ZeRO
+        stage and the mode."""
+        f = {a for a, _ in self.degrees}
+        if self.schedule:
+            f.add(f"schedule={self.schedule}")
+        if self.sequence_parallel:
+            f.add("sequence_parallel")
+        if self.zero_stage:
+            f.add(f"zero={self.zero_stage}")
+        f.add(f"mode={self.mode}")
+        return frozenset(f)
+
+    @property
+    def name(self) -> str:
+        parts = [" x ".join(f"{a}={n}" for a, n in self.degrees) or "1 device"]
+        if self.schedule:
+            parts.append(self.schedule)
+        if self.sequence_parallel:
+            parts.append("SP")
+        if self.zero_stage:
+            parts.append(f"ZeRO-{self.zero_stage}")
+        parts.append(self.mode)
+        return ", ".join(parts)
+
+
+def _degree_splits(n: int, axes: int) -> list[tuple[int, ...]]:
+    """Every way to write ``n`` (a power of two) as an ordered product of ``axes`` powers of two."""
+    if axes == 1:
+        return [(n,)]
+    out, d = [], 1
+    while d <= n:
+        out += [(d, *rest) for rest in _degree_splits(n // d, axes - 1)]
+        d *= 2
+    return out
+
+
+def composition_layouts(n_devices: int = 8) -> tuple[list[MatrixLayout], list[tuple[MatrixLayout, str]]]:
+    """``(accepted, refused)``: every layout over :data:`MATRIX_AXES` x schedule x sequence
+    parallelism x ZeRO stage x mode on ``n_devices`` devices, split by what the validator says
+    (``refused`` carries its one-line error). ZeRO stages are tried where a data axis shards
+    them, sequence parallelism where there is a model axis, schedules where there is a pipeline."""
+    from jaxtp.configs import ConfigError, load
+    from jaxtp.parallel import resolve_degrees, validate
+
+    accepted, refused = [], []
+    for split in _degree_splits(n_devices, len(MATRIX_AXES)):
+        degrees = tuple((a, d) for a, d in zip(MATRIX_AXES, split) if d > 1)
+        deg = dict(degrees)
+        for schedule in MATRIX_SCHEDULES if deg.get("pipeline") else (None,):
+            for sp in (False, True) if deg.get("model") else (False,):
+                for zero in (0, 1, 2, 3) if deg.get("data") else (0,):
+                    for mode in ("gspmd", "explicit"):
+                        layout = MatrixLayout(degrees, schedule, sp, zero, mode)
+                        try:
+                            cfg = load(layout.preset(), layout.overrides())
+                            validate(cfg, resolve_degrees(cfg.parallel, n_devices),
+                                     platform="cpu")
+                        except ConfigError as e:
+                            refused.append((layout, str(e)))
+                        else:
+                            accepted.append(layout)
+    return accepted, refused
+
+
+# the features the covering subset pairs up (every pair of axes); schedules, SP, ZeRO stages and
+# modes are each covered at least once
+MATRIX_PAIRED = MATRIX_AXES
+# the pipeline example (issue 37's deadlock, which hung in both modes), always in the subset
+README_PIPELINE = MatrixLayout((("pipeline", 2), ("data", 2), ("model", 2)), "1f1b")
+README_PIPELINE_EXPLICIT = dataclasses.replace(README_PIPELINE, mode="explicit")
+
+
+def covering_subset(layouts: list[MatrixLayout],
+                    seed: tuple[MatrixLayout, ...] = (README_PIPELINE, README_PIPELINE_EXPLICIT)
+                    ) -> list[MatrixLayout]:
+    """A small subset of ``layouts``, starting from ``seed``, in which every pair of
+    :data:`MATRIX_PAIRED` features that some layout has together (two axes) occurs at least
+    once, and every feature at all (each schedule, SP, each ZeRO stage, each mode) once; greedy
+    set cover, deterministic, the cheaper layout (fewer layers and stages) first among equals."""
+    def pairs(layout):
+        f = sorted(layout.features())
+        paired = [g for g in f if g.split("=")[0] in MATRIX_PAIRED]
+        return ({(a, b) for i, a in enumerate(paired) for b in paired[i + 1:]}
+                | {(a, a) for a in f})
+
+    todo = set().union(*(pairs(x) for x in layouts)) if layouts else set()
+    chosen = [x for x in seed if x in layouts]
+    for x in chosen:
+        todo -= pairs(x)
+    while todo:
+        best = max(layouts, key=lambda x: (len(pairs(x) & todo), -x.n_layers,
+                                           -x.degree["pipeline"], x.name))
+        chosen.append(best)
+        todo -= pairs(best)
+    return chosen
+
+
+MATRIX_STEPS = (4, 6)  # the first run saves at 2 and 4 and evaluates there; the resume runs 5-6
+
+
+def _train_records(cmd: list[str], env: dict, out: Path, timeout: float) -> tuple[list[dict], str]:
+    import json
+    import subprocess
+
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        lines = [x for x in r.stderr.splitlines() if x.startswith("jaxtp: error")]
+        raise RuntimeError(lines[-1] if lines else f"exit {r.returncode}: "
+                           + " | ".join(r.stderr.strip().splitlines()[-3:]))
+    path = out / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")], r.stdout
+
+
+def matrix_reference(layout: MatrixLayout, root: Path, env: dict,
+                     timeout: float = 600) -> list[dict]:
+    """The one-device run of ``layout``'s model and batch, steps 1 .. the last of
+    :data:`MATRIX_STEPS`, straight through (cached in ``root`` by model)."""
+    import json
+    import sys
+
+    out = root / f"reference-{layout.preset()}-{layout.n_layers}"
+    done = out / "records.json"
+    if not done.exists():
+        cmd = [sys.executable, "-m", "jaxtp", "train", "--devices", "1", "--config",
+               layout.preset(), *layout.model_overrides(), f"train.steps={MATRIX_STEPS[-1]}",
+               f"train.out_dir={out}"]
+        records, _ = _train_records(cmd, env, out, timeout)
+        done.write_text(json.dumps(records))
+    return json.loads(done.read_text())
+
+
+def run_matrix_layout(layout: MatrixLayout, root: Path, env: dict, *,
+                      timeout: float = 600) -> dict:
+    """``layout`` through ``jaxtp train`` on 8 simulated devices: a run to step 4 (checkpoints
+    and evals at 2 and 4), then the same command to step 6, which resumes from step 4's
+    checkpoint; its losses against the one-device run's (:func:`matrix_reference`). Returns
+    ``{"layout", "steps", "max_loss_diff", "max_eval_diff", "resumed_diff", "resumed"}``
+    (``resumed_diff``: the largest difference after the resume) or ``{"layout", "error"}``."""
+    import re
+    import sys
+    import time
+
+    out = root / re.sub(r"[^A-Za-z0-9=]+", "_", layout.name)
+    cmd = [sys.executable, "-m", "jaxtp", "train", "--devices", "8", "--config", layout.preset(),
+           *layout.overrides(), f"train.out_dir={out}"]
+    t0 = time.perf_counter()
+    try:
+        reference = {r["step"]: r for r in matrix_reference(layout, root, env, timeout)}
+        _train_records(cmd + [f"train.steps={MATRIX_STEPS[0]}"], env, out, timeout)
+        records, stdout = _train_records(cmd + [f"train.steps={MATRIX_STEPS[-1]}"], env, out,
+                                         timeout)
+    except (RuntimeError, OSError) as e:
+        return {"layout": layout.name, "error": str(e)}
+    except Exception as e:  # a timeout: the hang this matrix exists to catch
+        return {"layout": layout.name, "error": f"{type(e).__name__}: {e}"}
+    loss = {r["step"]: abs(r["loss"] - reference[r["step"]]["loss"]) for r in records}
+    evals = [abs(r["eval_loss"] - reference[r["step"]]["eval_loss"])
+             for r in records if "eval_loss" in r]
+    return {"layout": layout.name, "steps": sorted(loss), "max_loss_diff": max(loss.values()),
+            "max_eval_diff": max(evals, default=float("nan")),
+            "resumed_diff": max(v for s, v in loss.items() if s > MATRIX_STEPS[0]),
+            "resumed": f"resuming from step {MATRIX_STEPS[0]}" in stdout,
+            "seconds": round(time.perf_counter() - t0, 1)}
