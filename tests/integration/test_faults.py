@@ -332,7 +332,7 @@ def test_a_real_collective_deadlock_is_one_line_and_the_run_resumes(tmp_path):
     cmd = [sys.executable, "-m", "jaxtp", "train", "--devices", "8", "--config", "tiny",
            *PIPELINE_EXAMPLE, f"train.out_dir={out}", "train.checkpoint_every=1",
            "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1"]
-    r = subprocess.run(cmd + ["train.steps=200", "train.step_timeout_s=15"],
+    r = subprocess.run(cmd + ["train.steps=200", "train.step_timeout_s=10"],
                        env=_env() | {"NPROC": "1"}, capture_output=True, text=True, timeout=240)
     assert r.returncode == 5, r.stderr[-2000:]
     assert "rendezvous" not in r.stderr and "SIGABRT" not in r.stderr  # XLA never got to abort
