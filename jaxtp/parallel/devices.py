@@ -62,8 +62,8 @@ def prepare_cpu_runtime(n_devices: int, *, step_timeout_s: float | None = None,
     simulated devices (see the module docstring): ``NPROC`` to :func:`cpu_pool_threads` unless
     it is set already, and, when ``step_timeout_s`` is given, XLA:CPU's collective timeouts
     behind it (XLA's "may be stuck" lines 60 s after it, its abort 120 s after it), so jaxtp's
-    watchdog ends a hang first, with its one line. A value already in ``XLA_FLAGS`` is kept. Returns what
-    it set, e.g. ``["NPROC=32"]``."""
+    watchdog ends a hang first, with its one line. A value already in ``XLA_FLAGS`` is kept.
+    Returns what it set, e.g. ``["NPROC=32"]``."""
     env = os.environ if environ is None else environ
     done = []
     if n_devices > 1 and not env.get("NPROC"):
