@@ -17,15 +17,18 @@ for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimiz
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU's intra-op pool sized for the 8 devices (NPROC, read when the backend starts): with
-# the default (one thread per core) the devices' collectives can block every thread and
-# deadlock (issue 37; jaxtp.parallel.devices explains it)
-os.environ.setdefault("NPROC", str(max(os.cpu_count() or 1, 4 * 8)))
 if "JAXTP_TEST_COMPILE_CACHE" not in os.environ:  # xdist workers inherit the controller's
     _cache = tempfile.mkdtemp(prefix="jaxtp-test-xla-cache-")
     os.environ["JAXTP_TEST_COMPILE_CACHE"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 import jax  # noqa: E402
+
+from jaxtp.parallel import prepare_cpu_runtime  # noqa: E402
+
+# XLA:CPU's intra-op pool sized for the 8 devices (NPROC, read when the backend starts, and
+# inherited by the tests' subprocesses): with one thread per core the devices' collectives can
+# block every thread and deadlock (issue 37; jaxtp.parallel.devices explains it)
+prepare_cpu_runtime(8)
 
 jax.config.update("jax_default_matmul_precision", "highest")

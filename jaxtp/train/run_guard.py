@@ -254,9 +254,12 @@ def last_saved_step(checkpoints: Path | None) -> int | None:
     return max(steps, default=None)
 
 
-def hang_hint(*, layout: str, platform: str, processes: int, pool_threads: int,
+def hang_hint(*, layout: str, platform: str, processes: int, devices: int, pool_threads: int,
               nproc: str | None) -> str:
     """What a stuck step's error line says to try, for the layout and where it runs."""
+    if devices == 1:  # no collectives to wait for: the step's own work (or a callback) is stuck
+        return ("on 1 device: the step itself is stuck (a host callback, a data source or the "
+                "device); the Python stacks show where")
     if platform == "cpu" and processes == 1:
         pool = (f"NPROC={nproc} sets it" if nproc else "one thread per core")
         return (f"on {layout} (simulated CPU devices): the devices' collectives wait in XLA:CPU's "

@@ -245,7 +245,7 @@ def _train(cfg: Config, devices, *, stop: run_guard.StopSignals, watchdog: run_g
     watchdog.checkpoints = out / "checkpoints"
     watchdog.context = lambda: run_guard.hang_hint(
         layout=layout, platform=devices[0].platform, processes=jax.process_count(),
-        pool_threads=cpu_pool_threads(len(jax.local_devices())), nproc=os.environ.get("NPROC"))
+        devices=len(devices), pool_threads=cpu_pool_threads(len(jax.local_devices())), nproc=os.environ.get("NPROC"))
     ckpt = Checkpointer(out / "checkpoints", keep=t.keep_checkpoints, cfg=cfg,
                         layer_order=trainer.engine.layout.natural_layers)
     state, start = _initial_state(trainer, ckpt, loader, log=is_main)

@@ -314,6 +314,7 @@ def test_watchdog_ends_a_stalled_step(tmp_path):
     assert r.returncode == 5, r.stderr
     line = next(x for x in r.stderr.splitlines() if x.startswith("jaxtp: error:"))
     assert "step 3 made no progress for" in line and "train.step_timeout_s=3" in line
+    assert "on 1 device: the step itself is stuck" in line  # no collectives to blame
     assert "<string>\", line 10 in step" in (tmp_path / "run" / "watchdog-stacks.txt").read_text()
     assert not (tmp_path / "run" / "jaxtp.lock").exists()
 
